@@ -1,0 +1,3 @@
+"""dslab: the support kit for a hands-on DeepSpeed course."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,118 @@
+"""Helpers for code that runs on a rank: init, rank-0 printing, recipe arguments, results, quiet logs."""
+import json
+import logging
+import os
+import random
+import sys
+import warnings
+from types import SimpleNamespace
+
+# dslab.launch sets this so every rank knows where to leave its JSON result.
+RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
+
+
+def quiet():
+    """Silence DeepSpeed, transformers and torch chatter so notebook output stays readable and stable."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "accelerate", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:  # DeepSpeed's logger is created at import; set it after importing
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def seed_all(seed=0):
+    """Seed python, numpy and torch so every rank (and every re-run) draws the same numbers."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def init(backend=None):
+    """Join the process group the launcher prepared; returns (rank, world_size)."""
+    quiet()
+    import deepspeed
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized():
+        # backend=None lets DeepSpeed's accelerator choose: gloo on CPU, nccl on NVIDIA GPUs.
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return torch_dist.get_rank(), torch_dist.get_world_size()
+
+
+def rank():
+    """This process's global rank (0 when not distributed)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size():
+    """Number of ranks in the job (1 when not distributed)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only, so a 2-rank job does not print everything twice."""
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def _decode(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # plain strings need no quotes on the command line
+
+
+def recipe_args(argv=None, **defaults):
+    """Parse `--key value` pairs into a namespace; values are JSON-decoded, unknown keys are refused."""
+    argv = sys.argv[1:] if argv is None else argv
+    values = dict(defaults)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--"):
+            raise SystemExit(f"recipe argument {token!r} is not of the form --key value")
+        key, _, inline = token[2:].partition("=")
+        key = key.replace("-", "_")
+        if key == "local_rank":  # added by launchers run without --no_local_rank
+            i += 1 if inline else 2
+            continue
+        if key not in defaults:
+            raise SystemExit(f"unknown recipe argument --{key}; this recipe takes: {', '.join(sorted(defaults))}")
+        if inline:
+            values[key] = _decode(inline)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"recipe argument --{key} needs a value")
+            values[key] = _decode(argv[i + 1])
+            i += 2
+    return SimpleNamespace(**values)
+
+
+def save_result(obj):
+    """Write this rank's result as JSON (atomically) for dslab.launch to collect."""
+    directory = os.environ.get(RESULT_DIR_ENV)
+    if not directory:
+        return  # run by hand, outside dslab.launch: nothing collects results
+    path = os.path.join(directory, f"rank{rank()}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
