@@ -11,20 +11,27 @@ from types import SimpleNamespace
 RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
 
 
+def _errors_only(record):
+    return record.levelno >= logging.ERROR
+
+
 def quiet():
     """Silence DeepSpeed, transformers and torch chatter so notebook output stays readable and stable."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
-    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "accelerate", "peft"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:  # DeepSpeed's logger is created at import; set it after importing
-        from deepspeed.utils import logger as ds_logger
+    # DeepSpeed resets its logger's level when it is imported, but keeps filters: a filter set
+    # before the import also hides the "Setting accelerator to CPU" line printed at import time.
+    for name in ("DeepSpeed", "torch.distributed", "transformers", "accelerate", "peft"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        if _errors_only not in logger.filters:
+            logger.addFilter(_errors_only)
+    from dslab.env import ensure_build_tools_on_path
 
-        ds_logger.setLevel(logging.ERROR)
-    except ImportError:
-        pass
+    # DeepSpeed asks for `ninja` on PATH even to load an op that is already built.
+    ensure_build_tools_on_path()
     try:
         import transformers
 

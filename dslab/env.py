@@ -1,0 +1,374 @@
+"""What this machine offers DeepSpeed: versions, accelerator, build tools, JIT ops, and which course features run."""
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
+# CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
+BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# JIT ops the course uses: (name in reports, DeepSpeed op-builder class, what needs it).
+COURSE_OPS = (
+    ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
+    ("cpu_adam", "CPUAdamBuilder", "ZeRO-Offload: DeepSpeedCPUAdam updates the offloaded optimizer states"),
+)
+INSTALL_HINTS = {
+    "ninja": "pip install ninja (inside the course's venv), or: apt-get install ninja-build",
+    "c++": "apt-get install g++ (Debian/Ubuntu: build-essential; Fedora: dnf install gcc-c++; "
+           "macOS: xcode-select --install)",
+    "numactl": "apt-get install numactl (only needed for the launcher's --bind_cores_to_rank)",
+}
+
+
+def has_gpu():
+    """True when torch sees a CUDA (or ROCm) GPU; cheap, imports no DeepSpeed."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def versions():
+    """Installed version of each course package (None when missing), and Python's."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def ensure_build_tools_on_path():
+    """Put pip's ninja on PATH when only the Python package has it (venv not activated).
+
+    DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built,
+    so a kernel started as .venv/bin/python without an activated venv would otherwise fail.
+    """
+    if shutil.which("ninja"):
+        return shutil.which("ninja")
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+            return str(folder / "ninja")
+    return None
+
+
+def build_tools():
+    """Paths of ninja, the C++ compiler torch uses ($CXX or c++), g++ and numactl (None when absent)."""
+    ninja = ensure_build_tools_on_path()
+    cxx = os.environ.get("CXX", "c++")
+    return {"ninja": ninja, "c++": shutil.which(cxx), "g++": shutil.which("g++"), "numactl": shutil.which("numactl")}
+
+
+def missing_build_tools(tools=None):
+    """Names of the tools a JIT op build needs that are missing (ninja, c++)."""
+    tools = tools or build_tools()
+    return [name for name in ("ninja", "c++") if not tools[name]]
+
+
+def cpu_info():
+    """Usable cores, model name and the bf16-related flags from /proc/cpuinfo."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # what this process may use (containers, taskset)
+    except AttributeError:
+        cores = os.cpu_count()
+    model, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux
+        pass
+    model = model or platform.processor() or None
+    return {"cores_usable": cores, "cores_total": os.cpu_count(), "model": model,
+            "flags": {flag: flag in flags for flag in BF16_CPU_FLAGS}}
+
+
+def memory_info():
+    """Total and available RAM in GiB (one decimal)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return {"total_gib": round(vm.total / 2**30, 1), "available_gib": round(vm.available / 2**30, 1)}
+
+
+def gpu_info():
+    """Each GPU torch sees (name, memory), and `nvidia-smi topo -m` (how the GPUs are connected)."""
+    import torch
+
+    if not has_gpu():
+        return {"gpus": [], "topology": None}
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                     "compute_capability": f"{props.major}.{props.minor}"})
+    topology = None
+    if shutil.which("nvidia-smi"):
+        try:
+            run = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+            topology = run.stdout.rstrip() if run.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            topology = None
+    return {"gpus": gpus, "topology": topology}
+
+
+def extensions_dir():
+    """Where torch caches JIT-built ops: $TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu (say).
+
+    The same rule as torch.utils.cpp_extension, without creating the folder.
+    """
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def op_status():
+    """For each course op: compatible here, already built (and where), the builder's op name."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    cache = extensions_dir()
+    status = {}
+    for name, builder_name, purpose in COURSE_OPS:
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None:
+            status[name] = {"op": None, "compatible": False, "built": False, "path": None, "purpose": purpose,
+                            "note": f"the {get_accelerator().device_name()} accelerator does not use it"}
+            continue
+        library = cache / builder.name / f"{builder.name}.so"
+        prebuilt = bool(installed_ops.get(builder.name))
+        status[name] = {
+            "op": builder.name,
+            "compatible": bool(deepspeed.ops.__compatible_ops__.get(builder.name) or builder.is_compatible(False)),
+            "built": prebuilt or library.exists(),
+            "path": "installed with deepspeed" if prebuilt else (str(library) if library.exists() else None),
+            "purpose": purpose,
+        }
+    return status
+
+
+def _feature(name, available, reason):
+    return {"name": name, "available": bool(available), "reason": reason}
+
+
+def features(accel, cpu, ops, tools):
+    """Which course features run here, each with the reason."""
+    device, backend = accel["name"], accel["communication_backend"]
+    fast = [flag for flag in ("avx512_bf16", "amx_bf16") if cpu["flags"].get(flag)]
+    if device == "cpu":
+        bf16_reason = "CPU accelerator; " + (f"this CPU has {' and '.join(fast)}: bf16 matmuls run natively"
+                                             if fast else "no avx512_bf16/amx_bf16: bf16 works but may be "
+                                             "slower than fp32 (measure it)")
+        fp16_reason = ("DeepSpeed's CPU accelerator refuses fp16 ('Type fp16 is not supported on your device'); "
+                       "torch.autocast(float16) and GradScaler on CPU still show loss scaling"
+                       if not accel["fp16_supported"] else "the CPU accelerator reports fp16 support")
+    else:
+        bf16_reason = ("the GPU supports bf16" if accel["bf16_supported"]
+                       else "this GPU has no native bf16 (needs Ampere or newer): use fp16")
+        fp16_reason = "the GPU supports fp16" if accel["fp16_supported"] else "this GPU has no usable fp16"
+    adam = ops["cpu_adam"]
+    can_build = not missing_build_tools(tools)
+    if not adam["compatible"]:
+        adam_reason = "the cpu_adam op is not compatible with this machine"
+    elif adam["built"]:
+        adam_reason = "the cpu_adam op is built (cached)"
+    elif can_build:
+        adam_reason = "cpu_adam will be JIT-built on first use (minutes); `dslab prepare` builds it now"
+    else:
+        adam_reason = f"cpu_adam cannot be built: missing {', '.join(missing_build_tools(tools))}"
+    shm = ops["shm_comm"]
+    if device == "cpu":
+        tp_reason = ("tensor_parallel with replace_with_kernel_inject=False on CPU ranks; all-reduce through "
+                     + ("the shm op" if shm["compatible"] else "gloo")
+                     + " (start ranks with the deepspeed launcher: it sets LOCAL_SIZE, which the shm op needs)")
+    else:
+        tp_reason = f"tensor_parallel with replace_with_kernel_inject=False; all-reduce through {backend}"
+    inject = device == "cuda"
+    return [
+        _feature("bf16 training", accel["bf16_supported"], bf16_reason),
+        _feature("fp16 DeepSpeed optimizer", accel["fp16_supported"], fp16_reason),
+        _feature("ZeRO-Offload (cpu_adam)", adam["compatible"] and (adam["built"] or can_build), adam_reason),
+        _feature("AutoTP inference", True, tp_reason),
+        _feature("kernel injection", inject,
+                 "replace_with_kernel_inject=True uses DeepSpeed's CUDA inference kernels" if inject else
+                 "replace_with_kernel_inject=True needs CUDA kernels (a GPU); on CPU use AutoTP instead"),
+        _feature("nccl", backend == "nccl",
+                 "collectives run on NVIDIA GPUs through nccl" if backend == "nccl" else
+                 f"the communication backend here is {backend}; nccl needs NVIDIA GPUs"),
+    ]
+
+
+def accelerator_info():
+    """The accelerator DeepSpeed picks, its communication backend and 16-bit support."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    name = accel.device_name()
+    bf16 = bool(accel.is_bf16_supported())
+    if name == "cuda":
+        import torch
+
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
+    return {"name": name, "communication_backend": accel.communication_backend_name(),
+            "bf16_supported": bf16, "fp16_supported": bool(accel.is_fp16_supported())}
+
+
+def report():
+    """Everything above as one dict (same keys on every machine; values that vary sit in fixed places)."""
+    tools = build_tools()
+    accel = accelerator_info()
+    cpu = cpu_info()
+    ops = op_status()
+    return {
+        "versions": versions(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "accelerator": accel,
+        "build_tools": tools,
+        "cpu": cpu,
+        "memory": memory_info(),
+        **gpu_info(),
+        "torch_extensions_dir": str(extensions_dir()),
+        "ops": ops,
+        "features": features(accel, cpu, ops, tools),
+    }
+
+
+def format_report(rep):
+    """The report as aligned text."""
+    lines = ["versions"]
+    lines += [f"  {k:<22}{v or 'not installed'}" for k, v in rep["versions"].items()]
+    a = rep["accelerator"]
+    lines += ["accelerator",
+              f"  {'device':<22}{a['name']} ({rep['platform']})",
+              f"  {'communication backend':<22}{a['communication_backend']}",
+              f"  {'bf16 / fp16':<22}{'yes' if a['bf16_supported'] else 'no'} / "
+              f"{'yes' if a['fp16_supported'] else 'no'}"]
+    c = rep["cpu"]
+    flags = ", ".join(f for f, on in c["flags"].items() if on) or "none"
+    lines += ["cpu",
+              f"  {'model':<22}{c['model']}",
+              f"  {'cores usable / total':<22}{c['cores_usable']} / {c['cores_total']}",
+              f"  {'bf16-related flags':<22}{flags}",
+              f"  {'memory':<22}{rep['memory']['total_gib']} GiB total, "
+              f"{rep['memory']['available_gib']} GiB available"]
+    lines += ["gpus"] + ([f"  {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm {g['compute_capability']}"
+                          for g in rep["gpus"]] or ["  none"])
+    if rep["topology"]:
+        lines += ["  topology (nvidia-smi topo -m):"] + [f"    {line}" for line in rep["topology"].splitlines()]
+    lines += ["build tools"] + [f"  {k:<22}{v or 'missing: ' + INSTALL_HINTS.get(k, '')}"
+                                for k, v in rep["build_tools"].items()]
+    lines += ["JIT ops", f"  {'cache':<22}{rep['torch_extensions_dir']}"]
+    for name, op in rep["ops"].items():
+        state = ("built" if op["built"] else "not built yet") if op["compatible"] else "not compatible"
+        lines.append(f"  {name:<22}{state}" + (f" ({op['path']})" if op["path"] else ""))
+    lines += ["what runs here"]
+    lines += [f"  [{'x' if f['available'] else ' '}] {f['name']:<26}{f['reason']}" for f in rep["features"]]
+    return "\n".join(lines)
+
+
+def prepare(only=None, stream=None, verbose=False):
+    """Build the course's JIT ops now (cached afterwards); returns {op: seconds}.
+
+    Raises RuntimeError naming what is missing and how to install it when ninja or the C++ compiler is
+    absent, and after trying every op when a build fails. verbose=True shows the compiler's output.
+    """
+    stream = stream or sys.stdout
+    tools = build_tools()
+    missing = missing_build_tools(tools)
+    if missing:
+        raise RuntimeError("cannot build DeepSpeed's JIT ops: missing " + ", ".join(missing) + "\n"
+                           + "\n".join(f"  {name}: {INSTALL_HINTS[name]}" for name in missing))
+    if not tools["numactl"]:
+        print(f"note: numactl not found; {INSTALL_HINTS['numactl']}", file=stream)
+    from deepspeed.accelerator import get_accelerator
+
+    timings, failed = {}, []
+    for name, builder_name, purpose in COURSE_OPS:
+        if only and name not in only:
+            continue
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None or not builder.is_compatible(False):
+            print(f"{name}: skipped (not used or not compatible on the "
+                  f"{get_accelerator().device_name()} accelerator)", file=stream)
+            continue
+        cached = op_status()[name]["built"]
+        print(f"{name}: {'loading cached build' if cached else 'building (one to several minutes)'} ...",
+              file=stream, flush=True)
+        start = time.perf_counter()
+        try:
+            builder.load(verbose=verbose)
+        except Exception as exc:  # a compiler error: report it, try the other ops, fail at the end
+            failed.append(f"{name}: {type(exc).__name__}: {exc}".strip())
+            print(f"{name}: build FAILED after {time.perf_counter() - start:.1f} s", file=stream, flush=True)
+            continue
+        timings[name] = time.perf_counter() - start
+        print(f"{name}: ready in {timings[name]:.1f} s ({purpose})", file=stream, flush=True)
+    if failed:
+        raise RuntimeError("could not build " + "; ".join(failed) + f"\n  build folders: {extensions_dir()}; "
+                           "`dslab prepare --verbose` shows the compiler's output")
+    return timings
+
+
+def send_deepspeed_logs_to_stderr():
+    """For commands whose stdout is data (JSON): DeepSpeed's logger writes to stdout, so import it with
+    stdout pointing at stderr; its handler keeps that stream for the rest of the process."""
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401
+
+
+def _cmd_env(args):
+    import json
+
+    send_deepspeed_logs_to_stderr()
+    rep = report()
+    print(json.dumps(rep, indent=2, sort_keys=True) if args.json else format_report(rep))
+    return 0
+
+
+def _cmd_prepare(args):
+    send_deepspeed_logs_to_stderr()
+    try:
+        prepare(only=args.only, verbose=args.verbose)
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    return 0
+
+
+def add_commands(subparsers):
+    """`dslab env [--json]` and `dslab prepare`."""
+    env = subparsers.add_parser("env", help="what this machine offers DeepSpeed, and which course features run")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.set_defaults(func=_cmd_env)
+    prep = subparsers.add_parser("prepare", help="build the JIT ops the course uses (shm_comm, cpu_adam) now")
+    prep.add_argument("--only", nargs="+", choices=[name for name, _, _ in COURSE_OPS], help="build only these")
+    prep.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    prep.set_defaults(func=_cmd_prepare)
