@@ -187,6 +187,23 @@ def _kill_group(proc):
             pass
 
 
+def remove_stale_shm_buffers():
+    """Delete the shared-memory all-reduce buffers that finished jobs left in /dev/shm.
+
+    DeepSpeed's CPU backend maps a ~70 MB file per rank, named after the master port, and never
+    unlinks it; a day of runs would fill /dev/shm (RAM) until jobs die. A buffer whose port nobody
+    listens on any more belongs to a job that has ended (the rendezvous store holds the port while
+    a job runs), so it is safe to remove.
+    """
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        match = re.search(r"_(\d+)_\d+$", path)
+        if match and port_is_free(int(match.group(1))):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def _failing_rank(rank_logs):
     """(rank, traceback text) of the first rank whose log holds a Python traceback."""
     for rank, text in sorted(rank_logs.items()):
@@ -205,6 +222,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     script_args are passed through verbatim. Raises LaunchError, with the failing rank's traceback, on failure.
     """
     _check_environment(world_size, include)
+    remove_stale_shm_buffers()
     name = Path(recipe).stem
     run_dir = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -246,6 +264,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
         tailer.join()
         reader.join(timeout=5)
         _kill_group(proc)  # a rank that outlived the launcher must not linger
+        remove_stale_shm_buffers()
 
     rank_logs = {_rank_of(p): _TORCH_PREFIX.sub("", Path(p).read_text(errors="replace")) for p in glob.glob(str(log_dir / "*_rank*.log"))}
     log = "".join(launcher_out) + "".join(f"\n===== rank {r} =====\n{t}" for r, t in sorted(rank_logs.items()))
