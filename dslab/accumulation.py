@@ -1,0 +1,325 @@
+"""Gradient accumulation: micro-batches vs one big batch, loss normalisation, and the memory it saves."""
+IGNORE = -100  # label value the loss skips (padding, prompt tokens)
+
+
+# --------------------------------------------------------------------------- model and data
+
+def small_lm(seed=0, **overrides):
+    """A random-init dslab-tiny-shaped causal LM, shrunk so a CPU runs it in milliseconds."""
+    from dslab.models import build_model, tiny_config
+    shape = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=512)
+    shape.update(overrides)
+    model = build_model(tiny_config(**shape), seed=seed)
+    model.config.use_cache = False
+    return model
+
+
+def token_batch(batch_size, seq_len, vocab_size=512, lengths=None, seed=0):
+    """{"input_ids", "labels"} of random tokens; `lengths` (one per row) pads the rest with label -100."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab_size, (batch_size, seq_len), generator=g)
+    labels = input_ids.clone()
+    if lengths is not None:
+        for row, n in enumerate(lengths):
+            input_ids[row, n:] = 0       # pad token
+            labels[row, n:] = IGNORE     # no loss on padding
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def split(batch, k):
+    """The batch cut into k micro-batches along dim 0 (a list of dicts of separate tensors)."""
+    n = batch["input_ids"].shape[0]
+    if n % k:
+        raise ValueError(f"a batch of {n} does not split into {k} equal micro-batches")
+    step = n // k
+    # clone: each micro-batch owns its memory, as one from a data loader would (a view would keep
+    # the whole big batch alive and the activation meter would count all of it)
+    return [{key: t[i * step:(i + 1) * step].clone() for key, t in batch.items()} for i in range(k)]
+
+
+def count_targets(batch):
+    """Tokens the causal-LM loss is computed on: labels shifted by one, minus the ignored ones."""
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+# --------------------------------------------------------------------------- gradients
+
+def grads(model):
+    """{name: copy of .grad} for every parameter that has one."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def big_batch_backward(model, batch):
+    """Backward of the mean loss over the whole batch (the reference). Returns the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item()
+
+
+def accumulate_backward(model, micro_batches, mode="mean"):
+    """Backward of every micro-batch in turn, gradients adding up in .grad; returns the summed loss.
+
+    mode "mean":   loss / k per micro-batch (what DeepSpeed's engine.backward does);
+    mode "sum":    loss as is: the gradient is k times the big batch's (the common mistake);
+    mode "tokens": sum of token losses / tokens in the whole window (HF's num_items_in_batch):
+                   exact even when micro-batches hold different numbers of tokens.
+    """
+    import torch
+    model.zero_grad(set_to_none=True)
+    k = len(micro_batches)
+    total_targets = sum(count_targets(mb) for mb in micro_batches)
+    total = 0.0
+    for mb in micro_batches:
+        if mode == "tokens":
+            loss = model(**mb, num_items_in_batch=torch.tensor(total_targets)).loss
+        else:
+            loss = model(**mb).loss
+            if mode == "mean":
+                loss = loss / k  # the one line that makes accumulation match the big batch
+            elif mode != "sum":
+                raise ValueError(f"mode must be 'mean', 'sum' or 'tokens', got {mode!r}")
+        loss.backward()  # frees this micro-batch's activations before the next forward
+        total += loss.item()
+    return total
+
+
+def compare(a, b):
+    """How far two {name: tensor} dicts are apart: max |a-b| and ||a-b|| / ||b|| over all tensors."""
+    import torch
+    diff = torch.cat([(a[n] - b[n]).flatten() for n in b])
+    ref = torch.cat([b[n].flatten() for n in b])
+    return {"max_abs_diff": diff.abs().max().item(), "rel_diff": (diff.norm() / ref.norm()).item()}
+
+
+def equivalent(a, b, rtol=1e-5):
+    """True when a and b agree to `rtol` relative to b's norm (float32 summation order differs)."""
+    return compare(a, b)["rel_diff"] <= rtol
+
+
+def one_step(model_fn, batch, k=1, mode="mean", optimizer="sgd", lr=0.1):
+    """Fresh model, one optimizer step on `batch` (as k micro-batches when k > 1).
+
+    Returns {"grads", "weights", "update"}: the gradients used, the weights after the step and the
+    step itself (weights after - before), each a {name: tensor} dict.
+    """
+    import torch
+    model = model_fn()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if k == 1:
+        big_batch_backward(model, batch)
+    else:
+        accumulate_backward(model, split(batch, k), mode)
+    g = grads(model)
+    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
+    opt.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"grads": g, "weights": after, "update": {n: after[n] - before[n] for n in after}}
+
+
+def norm(tensors):
+    """Global L2 norm of a {name: tensor} dict (what gradient clipping looks at)."""
+    import torch
+    return torch.cat([t.flatten() for t in tensors.values()]).norm().item()
+
+
+# --------------------------------------------------------------------------- activation memory
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor while the meter runs; its death frees the bytes."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Counts the bytes autograd holds for backward (activations), live and at peak.
+
+    Every tensor saved for backward passes through torch.autograd.graph.saved_tensors_hooks; the
+    meter counts its storage once (views share storage) while any graph still holds it, and skips
+    the model's own parameters (they are weights, not activations). When backward frees the graph,
+    the count drops. Usage: `with ActivationMeter(model) as m: ...; m.peak_bytes`.
+    """
+
+    def __init__(self, model=None):
+        self.skip = set()
+        if model is not None:
+            self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live, self.current_bytes, self.peak_bytes = {}, 0, 0
+        self._hooks = None
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip or storage.nbytes() == 0:
+            return tensor
+        if key in self.live:
+            self.live[key][0] += 1
+        else:
+            self.live[key] = [1, storage.nbytes()]
+            self.current_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return _Saved(tensor, self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key):
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current_bytes -= entry[1]
+            del self.live[key]
+
+    def __enter__(self):
+        import torch
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def activation_peak(model, micro_batch_size, k, seq_len=64, mode="mean", seed=0):
+    """Peak activation bytes of one accumulation window of k micro-batches of micro_batch_size rows.
+
+    mode "mean" is the right loop (backward after each micro-batch); mode "one_backward" adds the k
+    losses up and calls backward once at the end, which keeps all k graphs alive (a memory mistake).
+    """
+    batch = token_batch(micro_batch_size * k, seq_len, model.config.vocab_size, seed=seed)
+    micro_batches = split(batch, k)
+    model.zero_grad(set_to_none=True)
+    with ActivationMeter(model) as meter:
+        if mode == "one_backward":
+            total = sum(model(**mb).loss for mb in micro_batches) / k
+            total.backward()
+        else:
+            accumulate_backward(model, micro_batches, mode)
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes
+
+
+def activation_sweep(model, micro_batch_sizes=(1, 2, 4, 8), accum_steps=(1, 2, 4, 8), base_micro=2,
+                     base_k=1, seq_len=64):
+    """Peak activation bytes vs micro batch (at base_k) and vs accumulation steps (at base_micro).
+
+    Returns {"micro": [(m, bytes)], "accum": [(k, bytes)], "accum_one_backward": [(k, bytes)]}.
+    """
+    return {
+        "micro": [(m, activation_peak(model, m, base_k, seq_len)) for m in micro_batch_sizes],
+        "accum": [(k, activation_peak(model, base_micro, k, seq_len)) for k in accum_steps],
+        "accum_one_backward": [(k, activation_peak(model, base_micro, k, seq_len, mode="one_backward"))
+                               for k in accum_steps],
+    }
+
+
+# --------------------------------------------------------------------------- batch size bookkeeping
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def batch_triples(total, micro_batch_size, grad_accum_steps):
+    """What DeepSpeed makes of each pair of the three batch numbers, and of a wrong triple.
+
+    Runs DeepSpeed's own config parser, which takes the world size from the running process group
+    (call it on every rank of a job). Returns {"given": [...], "derived": [...], "refused": message}.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+    values = dict(zip(BATCH_KEYS, (total, micro_batch_size, grad_accum_steps)))
+    given = [{k: values[k] for k in BATCH_KEYS if k != left_out} for left_out in BATCH_KEYS]
+    derived = []
+    for config in given:
+        parsed = DeepSpeedConfig(dict(config))
+        derived.append({k: getattr(parsed, k) for k in BATCH_KEYS})
+    wrong = dict(values, gradient_accumulation_steps=grad_accum_steps + 1)
+    try:
+        DeepSpeedConfig(wrong)
+        refused = None
+    except AssertionError as exc:  # DeepSpeed checks the product with an assert
+        refused = str(exc)
+    return {"given": given, "derived": derived, "wrong": wrong, "refused": refused}
+
+
+def hf_auto_batch(micro_batch_size, grad_accum_steps):
+    """The batch numbers transformers' Trainer writes over "auto" (HfTrainerDeepSpeedConfig), and its world size."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    config = HfTrainerDeepSpeedConfig({k: "auto" for k in BATCH_KEYS})
+    args = TrainingArguments(output_dir="runs/hf_auto", per_device_train_batch_size=micro_batch_size,
+                             gradient_accumulation_steps=grad_accum_steps, use_cpu=True, report_to=[])
+    config.trainer_config_process(args)   # where the Trainer replaces each "auto" by a number
+    return {"world_size": args.world_size, **{k: config.config[k] for k in BATCH_KEYS}}
+
+
+# --------------------------------------------------------------------------- exercises (chapter 03)
+from dslab.exercises import exercise, expect  # noqa: E402  (after the functions the checkers use)
+
+# 03.grad_accum_steps: train_batch_size 512 on 16 ranks with a micro batch of 4.
+expect("03.grad_accum_steps", 512 // (4 * 16), wrong=(32, 128, 2),
+       hint="train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size; "
+            "solve for gradient_accumulation_steps (every rank runs its own micro-batches).")
+
+
+def _window_grads(fn, lengths=None):
+    """Gradients `fn(model, micro_batches)` leaves over a 4-micro-batch window, and the big batch's."""
+    model = small_lm(seed=0)
+    batch = token_batch(8, 16, model.config.vocab_size, lengths=lengths, seed=3)
+    big_batch_backward(model, batch)
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    fn(model, split(batch, 4))
+    return grads(model), want
+
+
+def _sum_losses(model, micro_batches):
+    for mb in micro_batches:
+        model(**mb).loss.backward()
+
+
+def _divide_by_rows(model, micro_batches):
+    for mb in micro_batches:
+        (model(**mb).loss / mb["input_ids"].shape[0]).backward()
+
+
+def _mean_of_means(model, micro_batch, window_targets):
+    return model(**micro_batch).loss / 4
+
+
+def _sum_of_token_losses(model, micro_batch, window_targets):
+    return model(**micro_batch).loss * count_targets(micro_batch)
+
+
+@exercise("03.fix_loop", wrong=(_sum_losses, _divide_by_rows),
+          hint="write fn(model, micro_batches) that runs forward and backward on each micro-batch so the "
+               "summed .grad equals the big batch's: what must each micro-batch's loss be divided by?")
+def _check_fix_loop(fn):
+    got, want = _window_grads(fn)
+    return set(got) == set(want) and equivalent(got, want)
+
+
+@exercise("03.token_loss", wrong=(_mean_of_means, _sum_of_token_losses),
+          hint="the big batch averages over every target token of the window; each micro-batch should "
+               "contribute (sum of its token losses) / window_targets. HF models take num_items_in_batch=.")
+def _check_token_loss(fn):
+    lengths = [16, 3, 16, 9, 5, 16, 12, 7]     # padded rows: micro-batches hold different token counts
+
+    def loop(model, micro_batches):
+        window_targets = sum(count_targets(mb) for mb in micro_batches)
+        for mb in micro_batches:
+            fn(model, mb, window_targets).backward()
+
+    got, want = _window_grads(loop, lengths)
+    return set(got) == set(want) and equivalent(got, want)

@@ -1,0 +1,131 @@
+"""dslab.precision: format tables, rounding fates, underflow and loss scaling, DeepSpeed's scaler, bf16 recipe."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dslab import plots, precision
+
+
+def test_dtype_table_matches_ieee_layouts():
+    info = {row["format"]: row for row in precision.dtype_table()}
+    assert info["fp16"]["max"] == 65504.0
+    assert info["fp16"]["smallest_subnormal"] == 2.0**-24
+    assert info["fp32"]["smallest_subnormal"] == 2.0**-149
+    assert info["bf16"]["smallest_subnormal"] == 2.0**-133
+    assert info["bf16"]["eps"] == 2.0**-7 and info["fp16"]["eps"] == 2.0**-10 and info["fp32"]["eps"] == 2.0**-23
+    for row in info.values():
+        assert 1 + row["exponent_bits"] + row["mantissa_bits"] == row["bits"]
+    # bf16 keeps fp32's exponent: the same range, to within its coarser rounding
+    assert math.isclose(info["bf16"]["max"], info["fp32"]["max"], rel_tol=2**-7)
+    assert info["bf16"]["smallest_normal"] == info["fp32"]["smallest_normal"]
+
+
+@pytest.mark.parametrize("value, name, expected", [
+    (65504.0, "fp16", "exact"),
+    (65520.0, "fp16", "overflow"),        # halfway to 65536 rounds to even: inf
+    (1e5, "bf16", "rounded"),
+    (2.0**-24, "fp16", "subnormal"),
+    (2.0**-25, "fp16", "underflow"),      # exactly half the smallest subnormal: ties to 0
+    (1e-8, "bf16", "rounded"),
+    (1e-46, "fp32", "underflow"),
+    (3.5e38, "bf16", "overflow"),
+    (1 + 2.0**-8, "bf16", "rounded"),
+    (1 + 2.0**-7, "bf16", "exact"),
+])
+def test_fate(value, name, expected):
+    assert precision.fate(value, name) == expected
+
+
+def test_fate_table_and_format_table():
+    rows = precision.fate_table([70000.0])
+    assert rows[0]["fp16"] == math.inf and rows[0]["fp16_fate"] == "overflow"
+    assert rows[0]["fp32_fate"] == "exact"
+    text = precision.format_table(rows, ["value", "fp16_fate"])
+    assert "overflow" in text and text.splitlines()[1].startswith("-")
+
+
+def test_underflow_experiment_shows_fp16_losing_gradients_and_scaling_saving_them():
+    result = precision.underflow_experiment()
+    rows = result["by_run"]
+    assert rows["fp16"]["output_grads_zero"] > 0.5                # most per-element gradients flushed to 0
+    assert rows["fp16"]["weight_grad_rel_error"] > 0.5
+    assert rows["fp16 x scale"]["output_grads_zero"] < 1e-3
+    assert rows["fp16 x scale"]["weight_grad_rel_error"] < 0.1
+    assert rows["bf16"]["output_grads_zero"] < 1e-3               # bf16's range holds them
+    fig, data = plots.gradient_histogram(result["reference_output_grads"], result["scale"], 2.0**-24, 65504.0)
+    assert data["flushed_before"] > 0.5 and data["flushed_after"] < 1e-3 and data["overflow_after"] == 0.0
+
+
+def test_grad_scaler_trace_obeys_the_rules():
+    trace = precision.trace_grad_scaler(steps=12, spike_steps=(2, 3), init_scale=2.0**8, growth_interval=4)
+    assert precision.check_scaler_trace(trace, growth_interval=4) == []
+    assert [r["step"] for r in trace if r["skipped"]] == [2, 3]
+    assert [r["scale"] for r in trace] == [256, 256, 256, 128] + [64] * 4 + [128] * 4
+    fig, data = plots.loss_scale_trace(trace)
+    assert data["skipped"] == [r["skipped"] for r in trace]
+
+
+def test_check_scaler_trace_catches_a_broken_trace():
+    trace = precision.trace_grad_scaler(steps=8, spike_steps=(2,), growth_interval=4)
+    broken = [dict(r) for r in trace]
+    broken[2]["next_scale"] = broken[2]["scale"]        # an overflow that did not halve the scale
+    assert precision.check_scaler_trace(broken, growth_interval=4)
+    broken = [dict(r) for r in trace]
+    broken[2]["skipped"] = False                        # an overflow whose step was applied
+    assert precision.check_scaler_trace(broken, growth_interval=4)
+
+
+def test_bf16_needs_no_scaler_and_takes_the_spike():
+    trace = precision.trace_grad_scaler(steps=6, spike_steps=(2,), dtype="bf16")
+    assert not any(r["overflow"] or r["skipped"] for r in trace)
+    assert {r["scale"] for r in trace} == {1.0}
+
+
+_DEEPSPEED_SCALER = """
+import json
+from dslab import dist, precision
+dist.quiet()
+ex = precision.trace_deepspeed_scaler(precision.DS_SCALE_OVERFLOWS, **precision.DS_SCALE_FP16)
+floor = precision.trace_deepspeed_scaler([True] * 8, initial_scale_power=3, loss_scale_window=4, min_loss_scale=1)
+print(json.dumps({"exercise": ex, "floor": floor}))
+"""
+
+
+def test_deepspeed_scaler_replay_and_minimum():
+    # In a subprocess: the scaler needs a (single-process) group, which must not leak into other tests.
+    out = subprocess.run([sys.executable, "-c", _DEEPSPEED_SCALER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    ex = result["exercise"]
+    assert ex[-1]["next_scale"] == precision.DS_SCALE_ANSWER
+    assert ex[1]["next_scale"] == ex[1]["scale"]            # first overflow: hysteresis absorbs it
+    assert ex[3]["next_scale"] == ex[3]["scale"] / 2        # second: halves
+    floor = result["floor"]
+    assert [r["scale"] for r in floor] == [8, 8, 4, 2, 1]
+    assert "already at minimum" in floor[-1]["error"]
+
+
+def test_repeated_add_loses_small_updates_in_bf16_only():
+    assert precision.repeated_add(1.0, 1e-3, 100, "bf16") == 1.0
+    assert precision.repeated_add(1.0, 1e-3, 100, "fp32") == pytest.approx(1.1, rel=1e-4)
+
+
+def test_matmul_gflops_is_positive_and_restores_threads():
+    threads = torch.get_num_threads()
+    assert precision.matmul_gflops("fp32", n=64, repeats=2, threads=1) > 0
+    assert torch.get_num_threads() == threads
+
+
+def test_bf16_recipe_on_two_ranks(tmp_path):
+    from dslab import launch
+    run = launch.run("bf16_train", world_size=2, run_dir=tmp_path, stream=False, steps=3)
+    for r in run.results:
+        assert r["param_dtypes"] == ["torch.bfloat16"] and r["master_dtypes"] == ["torch.float32"]
+        assert r["fp32_master"]["bf16_copy_is_rounded_master"]
+        assert r["fp32_master"]["norm_weights_moved_in_master"] == r["fp32_master"]["norm_weights"]
+        assert r["pure_bf16"]["norm_weights_moved_in_master"] == 0
+        assert r["losses"][-1] < r["losses"][0]
