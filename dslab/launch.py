@@ -204,13 +204,29 @@ def remove_stale_shm_buffers():
                 pass
 
 
+# How a rank fails when another rank died first: these are echoes, not causes.
+_ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
+                   r"DistNetworkError|DistBackendError|NCCL communicator was aborted|Socket Timeout|"
+                   r"failed to recv, got 0 bytes", re.I)
+
+
 def _failing_rank(rank_logs):
-    """(rank, traceback text) of the first rank whose log holds a Python traceback."""
+    """(rank, traceback text) of the rank that failed first, skipping ranks that only lost their peer."""
+    found = []
     for rank, text in sorted(rank_logs.items()):
         start = text.find("Traceback (most recent call last)")
         if start >= 0:
-            return rank, text[start:].strip()
-    return None, None
+            found.append((rank, text[start:].strip()))
+    for rank, trace in found:
+        if not _ECHO.search(trace.splitlines()[-1]):  # the exception line names the cause
+            return rank, trace
+    return found[0] if found else (None, None)
+
+
+def _log_tails(rank_logs, lines=20):
+    """The last lines of every rank's log: where a crash without a traceback (a signal) shows."""
+    return "\n".join(f"--- rank {r}, last lines ---\n" + "\n".join(t.splitlines()[-lines:])
+                     for r, t in sorted(rank_logs.items()))
 
 
 def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
@@ -271,7 +287,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     if proc.returncode != 0:
         rank, trace = _failing_rank(rank_logs)
         where = f"rank {rank} failed" if rank is not None else "the launcher failed"
-        detail = trace or "".join(launcher_out)[-3000:]
+        detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + "".join(launcher_out)[-2000:])
         raise LaunchError(f"{name} on {world_size} ranks: {where} (exit status {proc.returncode}); "
                           f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
     results = []

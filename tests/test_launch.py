@@ -1,0 +1,194 @@
+"""dslab.launch: failures surface with the failing rank's traceback and leave no process behind;
+results come back per rank; a taken master port is replaced; recipe arguments parse as documented."""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from dslab import dist, launch
+
+# Rank scripts import only dslab.dist (no torch), so each launch costs little more than the launcher.
+FAILING = """
+import time
+from dslab import dist
+args = dist.recipe_args(fail_rank=1)
+if dist.rank() == args.fail_rank:
+    raise ValueError(f"rank {dist.rank()} fails on purpose")
+time.sleep(120)  # the healthy rank would wait for the failed one forever: the launcher must stop it
+"""
+
+# The usual real failure: one rank raises while the others wait for it inside a collective. They then fail too
+# ("Connection closed by peer"), and the error must name the rank that failed first, not an echo of it.
+FAILING_IN_COLLECTIVE = """
+import torch
+import torch.distributed as torch_dist
+from dslab import dist
+torch_dist.init_process_group("gloo")  # torch only: cheaper than DeepSpeed for this test
+if dist.rank() == 1:
+    raise ValueError("rank 1 fails on purpose")
+torch_dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which is gone
+"""
+
+REPORTING = """
+import os
+from dslab import dist
+args = dist.recipe_args(tag="none", numbers=[])
+dist.save_result({"rank": dist.rank(), "world_size": dist.world_size(), "tag": args.tag,
+                  "numbers": args.numbers, "master_port": int(os.environ["MASTER_PORT"])})
+"""
+
+
+def _script(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def _processes_running(script):
+    """Live processes whose command line mentions `script` (stray ranks)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(str(script) in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _assert_no_strays(script):
+    strays = _processes_running(script)
+    for proc in strays:  # clean up what this test started before failing
+        proc.kill()
+    assert not strays, f"rank processes left running: {[p.pid for p in strays]}"
+
+
+def test_failing_rank_raises_with_its_traceback_and_stops_the_others(tmp_path):
+    script = _script(tmp_path, "fails_on_rank1.py", FAILING)
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.run(str(script), world_size=2, stream=False, run_dir=tmp_path / "runs", timeout=60)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "rank 1 failed" in message
+    assert "Traceback (most recent call last)" in message
+    assert "ValueError: rank 1 fails on purpose" in message
+    assert elapsed < 30, f"the failure took {elapsed:.0f} s to surface (rank 0 sleeps 120 s)"
+    _assert_no_strays(script)
+
+
+def test_the_rank_that_failed_first_is_named_not_the_one_left_waiting(tmp_path):
+    script = _script(tmp_path, "fails_in_collective.py", FAILING_IN_COLLECTIVE)
+    with pytest.raises(launch.LaunchError) as info:
+        launch.run(str(script), world_size=2, stream=False, run_dir=tmp_path / "runs", timeout=60)
+    _assert_no_strays(script)
+    assert "rank 1 failed" in str(info.value) and "ValueError: rank 1 fails on purpose" in str(info.value)
+
+
+def test_cli_exits_nonzero_fast_on_failure(tmp_path):
+    script = _script(tmp_path, "cli_fails_on_rank0.py", FAILING)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dslab.cli", "launch", "--world-size", "2",
+                           "--run-dir", str(tmp_path / "runs"), "--timeout", "60", str(script), "--fail_rank", "0"],
+                          capture_output=True, text=True, timeout=90)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 0 failed" in proc.stderr and "ValueError: rank 0 fails on purpose" in proc.stderr
+    assert elapsed < 30, f"CLI took {elapsed:.0f} s to report the failure"
+    _assert_no_strays(script)
+
+
+def test_results_per_rank_and_a_taken_port_is_replaced(tmp_path, capsys):
+    script = _script(tmp_path, "reports.py", REPORTING)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        assert not launch.port_is_free(taken)
+        result = launch.run(str(script), world_size=2, master_port=taken, stream=False,
+                            run_dir=tmp_path / "runs", timeout=60, tag="hello", numbers=[1, 2.5])
+    out = capsys.readouterr().out
+    assert f"master port {taken} is in use; using " in out
+    assert [r["rank"] for r in result.results] == [0, 1]
+    assert result.rank0 is result.results[0]
+    assert all(r["world_size"] == 2 and r["tag"] == "hello" and r["numbers"] == [1, 2.5] for r in result.results)
+    used = {r["master_port"] for r in result.results}
+    assert len(used) == 1 and taken not in used  # both ranks met on the replacement port
+    assert f"--master_port {used.pop()}" in out
+    _assert_no_strays(script)
+
+
+def test_free_port_keeps_a_free_preferred_port():
+    port = launch.free_port()
+    assert launch.port_is_free(port) and launch.free_port(port) == port
+
+
+def test_unknown_recipe_is_a_clear_error(tmp_path):
+    with pytest.raises(launch.LaunchError, match=r"'no_such_recipe' is neither a dslab recipe \(.*collectives.*\) nor a script"):
+        launch.run("no_such_recipe", world_size=2, run_dir=tmp_path)
+
+
+def test_world_size_must_be_positive(tmp_path):
+    with pytest.raises(launch.LaunchError, match="world_size must be at least 1"):
+        launch.run("collectives", world_size=0, run_dir=tmp_path)
+
+
+def test_command_line_for_a_recipe_and_for_a_script(tmp_path):
+    cmd = launch.build_command("collectives", 2, 29500, "logs", args=["--numel", "8"])
+    shown = launch.display_command(cmd)
+    assert shown == ("deepspeed --num_gpus 2 --master_port 29500 --enable_each_rank_log logs --no_local_rank "
+                     "--module dslab.recipes.collectives --numel 8")
+    script = _script(tmp_path, "mine.py", "print('hi')\n")
+    assert launch.build_command(str(script), 2, 29500, "logs")[-1] == str(script)
+    assert launch.build_command("collectives", 2, 1, "logs", include="localhost:0,1")[1:3] == ["--include", "localhost:0,1"]
+
+
+def test_recipe_kwargs_are_json_encoded():
+    assert launch._encode(True) == "true" and launch._encode(None) == "null"
+    assert launch._encode([1, "a"]) == '[1, "a"]' and launch._encode("plain") == "plain"
+
+
+# ---- recipe_args: the command-line side of the same contract --------------------------------------
+
+def test_recipe_args_defaults_and_json_values():
+    args = dist.recipe_args(["--steps", "8", "--lr", "3e-4", "--flag", "true", "--sizes", "[1, 2]",
+                             "--name", "plain text", "--extra", "null"],
+                            steps=4, lr=1e-3, flag=False, sizes=[], name="x", extra=1, untouched="kept")
+    assert (args.steps, args.lr, args.flag, args.sizes, args.name, args.extra, args.untouched) == \
+        (8, 3e-4, True, [1, 2], "plain text", None, "kept")
+
+
+def test_recipe_args_equals_form_dashes_and_local_rank():
+    args = dist.recipe_args(["--local_rank=1", "--zero-stage=3", "--local_rank", "0", "--tag", "a"],
+                            zero_stage=0, tag="")
+    assert args.zero_stage == 3 and args.tag == "a" and not hasattr(args, "local_rank")
+
+
+def test_recipe_args_roundtrip_what_launch_encodes():
+    values = {"n": 3, "on": False, "groups": [[0], [1]], "name": "run one"}
+    argv = [part for k, v in values.items() for part in (f"--{k}", launch._encode(v))]
+    assert vars(dist.recipe_args(argv, n=0, on=True, groups=None, name="")) == values
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stpes", "3"], "unknown recipe argument --stpes; this recipe takes: lr, steps"),
+    (["--steps"], "recipe argument --steps needs a value"),
+    (["steps", "3"], "recipe argument 'steps' is not of the form --key value"),
+])
+def test_recipe_args_errors_say_what_is_wrong(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        dist.recipe_args(argv, steps=4, lr=1e-3)
+
+
+def test_save_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
+    monkeypatch.delenv(dist.RESULT_DIR_ENV, raising=False)
+    dist.save_result({"a": 1})  # nothing to write to, nothing raised
+    monkeypatch.setenv(dist.RESULT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    dist.save_result({"a": 1})
+    assert os.listdir(tmp_path) == ["rank3.json"]
