@@ -1,0 +1,17 @@
+"""Instructor solutions for notebooks/04_zero.ipynb (checked by tests/test_exercises.py)."""
+from dslab import memory
+
+# 04.zero2_gb: 13B parameters, ZeRO-2 on 16 GPUs: 2Ψ (whole 16-bit weights) + 14Ψ/16 (partitioned rest).
+zero2_gb = memory.theory(13e9, world_size=16, zero_stage=2)["total"] / 1e9
+
+# 04.min_gpus: the fewest GPUs of 24 GB that hold a 7B model's states under ZeRO-3 (16Ψ/N per GPU).
+min_gpus = next(n for n in range(1, 1025) if memory.theory(7e9, n, 3)["total"] <= 24e9)
+
+# 04.lowest_stage: the lowest stage at which 1.5B parameters fit in 16 GB per GPU on 8 GPUs.
+lowest_stage = next(s for s in range(4) if memory.theory(1.5e9, 8, s)["total"] <= 16e9)
+
+SOLUTIONS = {
+    "04.zero2_gb": zero2_gb,
+    "04.min_gpus": min_gpus,
+    "04.lowest_stage": lowest_stage,
+}
