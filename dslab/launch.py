@@ -220,6 +220,9 @@ def _failing_rank(rank_logs):
     for rank, trace in found:
         if not _ECHO.search(trace.splitlines()[-1]):  # the exception line names the cause
             return rank, trace
+    silent = [r for r in sorted(rank_logs) if r not in dict(found)]
+    if found and silent:  # every traceback is an echo: the rank without one died first (by a signal)
+        return silent[0], None
     return found[0] if found else (None, None)
 
 
@@ -287,6 +290,11 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     if proc.returncode != 0:
         rank, trace = _failing_rank(rank_logs)
         where = f"rank {rank} failed" if rank is not None else "the launcher failed"
+        if proc.returncode > 128:  # the launcher passes on a rank's -signal as 256 - signal
+            try:
+                where += f" (killed by {signal.Signals(256 - proc.returncode).name})"
+            except ValueError:
+                pass
         detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + "".join(launcher_out)[-2000:])
         raise LaunchError(f"{name} on {world_size} ranks: {where} (exit status {proc.returncode}); "
                           f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
