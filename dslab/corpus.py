@@ -1,0 +1,514 @@
+"""Generate the kit's own English + Chinese pretraining corpus from templates (deterministic, seeded).
+
+Why templates with *broad* word lists: a base model pretrained on a tiny vocabulary cannot later emit the
+sub-words of a new name during identity tuning. Many names, places, objects and verbs, plus everyday chat
+in the ChatML markup, give the tiny base the pieces that supervised fine-tuning needs.
+
+Run `python -m dslab.corpus [--out data]` to rewrite data/corpus/*.txt and data/general_sft.jsonl.
+"""
+import json
+import random
+from pathlib import Path
+
+DOC_SEPARATOR = "<|endoftext|>\n"  # one document ends with this line in the corpus files
+
+# ----------------------------------------------------------------------------------------------------
+# English word lists
+# ----------------------------------------------------------------------------------------------------
+EN_NAMES = """Anna Ben Clara David Emma Felix Grace Henry Iris Jack Kate Leo Mia Noah Olivia Paul Quinn Rosa
+Sam Tom Uma Victor Wendy Yara Zoe Alice Bob Carlos Diana Ethan Fiona George Hannah Ivan Julia Kevin Laura
+Marco Nina Oscar Priya Ravi Sara Tariq Vera Will Yuki Amir Bella Dmitri Elena Farah Gustav Hiro Ines Jonas
+Kofi Lena Mateo Nadia Omar Pablo Rita Sofia Theo Amara Bruno Celia Dario Esme Hugo Ingrid Joel Kira Luca
+Maya Nora Owen Petra Rafael Selma Tobias Viktor Wanda Xenia Yusuf Zara Aisha Boris Chloe Daniel Eva Frank
+Gloria Isaac Jasmine Kai Liam Mona Nikolai Pedro Ruth Simon Tessa Ulrich Valeria Walter Lucy Martin""".split()
+
+EN_CITIES = """Paris London Tokyo Beijing Shanghai Cairo Rome Madrid Berlin Moscow Sydney Toronto Lima Nairobi
+Seoul Delhi Mumbai Bangkok Istanbul Athens Vienna Oslo Dublin Lisbon Prague Warsaw Hanoi Jakarta Santiago
+Stockholm Helsinki Budapest Amsterdam Brussels Geneva Chicago Boston Denver Seattle Vancouver Montreal
+Havana Quito Bogota Accra Lagos Dakar Tunis Marrakesh Dubai Doha Tehran Karachi Dhaka Manila Osaka Kyoto
+Busan Taipei Chengdu Hangzhou Xian Wuhan Nanjing Auckland Perth Melbourne""".split()
+
+# (country, capital, Chinese country, Chinese capital); the chat facts the base model should know.
+CAPITALS = [
+    ("France", "Paris", "法国", "巴黎"), ("Japan", "Tokyo", "日本", "东京"), ("China", "Beijing", "中国", "北京"),
+    ("Italy", "Rome", "意大利", "罗马"), ("Spain", "Madrid", "西班牙", "马德里"), ("Germany", "Berlin", "德国", "柏林"),
+    ("Egypt", "Cairo", "埃及", "开罗"), ("Russia", "Moscow", "俄罗斯", "莫斯科"), ("Kenya", "Nairobi", "肯尼亚", "内罗毕"),
+    ("Peru", "Lima", "秘鲁", "利马"), ("Canada", "Ottawa", "加拿大", "渥太华"), ("Australia", "Canberra", "澳大利亚", "堪培拉"),
+    ("India", "New Delhi", "印度", "新德里"), ("Greece", "Athens", "希腊", "雅典"), ("Austria", "Vienna", "奥地利", "维也纳"),
+    ("Norway", "Oslo", "挪威", "奥斯陆"), ("Ireland", "Dublin", "爱尔兰", "都柏林"), ("Portugal", "Lisbon", "葡萄牙", "里斯本"),
+    ("Thailand", "Bangkok", "泰国", "曼谷"), ("South Korea", "Seoul", "韩国", "首尔"), ("Mexico", "Mexico City", "墨西哥", "墨西哥城"),
+    ("the United Kingdom", "London", "英国", "伦敦"), ("Turkey", "Ankara", "土耳其", "安卡拉"),
+    ("Sweden", "Stockholm", "瑞典", "斯德哥尔摩"), ("Poland", "Warsaw", "波兰", "华沙"), ("Vietnam", "Hanoi", "越南", "河内"),
+    ("Argentina", "Buenos Aires", "阿根廷", "布宜诺斯艾利斯"), ("Chile", "Santiago", "智利", "圣地亚哥"),
+    ("Indonesia", "Jakarta", "印度尼西亚", "雅加达"), ("Brazil", "Brasilia", "巴西", "巴西利亚"),
+    ("Finland", "Helsinki", "芬兰", "赫尔辛基"), ("Hungary", "Budapest", "匈牙利", "布达佩斯"),
+    ("Cuba", "Havana", "古巴", "哈瓦那"), ("Ghana", "Accra", "加纳", "阿克拉"), ("Iran", "Tehran", "伊朗", "德黑兰"),
+]
+
+EN_PLACES = """park library market school station beach garden kitchen museum hospital bakery river forest village
+office cafe harbor farm bridge hill zoo theater stadium lake island bookshop post-office playground temple
+square gallery castle valley airport restaurant factory pharmacy cinema classroom""".split()
+EN_OBJECTS = """book cup lamp bicycle umbrella letter key basket blanket camera chair clock coat compass desk
+drum guitar hammer hat jacket kettle kite ladder map mirror notebook pencil piano pillow radio ring rope
+scarf shoe spoon suitcase table teapot ticket toy violin wallet window bottle candle box""".split()
+EN_FOODS = """apples rice noodles soup bread tea coffee oranges eggs dumplings cake cheese carrots potatoes tomatoes
+bananas grapes pears peaches cookies pancakes salad fish beans corn honey milk yogurt lemons mangoes
+onions mushrooms pies sandwiches plums cherries""".split()
+EN_ANIMALS = """cat dog bird horse rabbit fish duck cow sheep tiger panda elephant lion monkey fox bear owl frog
+goat pig mouse deer wolf turtle camel zebra giraffe dolphin whale penguin squirrel chicken goose""".split()
+EN_ADJ = """red blue green yellow small big old new quiet bright warm cold soft heavy light happy tired busy
+clean shiny round tall short gentle brave clever lazy noisy sleepy friendly""".split()
+EN_JOBS = """teacher doctor nurse farmer baker painter driver cook writer singer pilot engineer gardener tailor
+fisherman carpenter student scientist musician librarian""".split()
+EN_TIMES = ["in the morning", "in the afternoon", "in the evening", "at night", "on Monday", "on Tuesday",
+            "on Wednesday", "on Thursday", "on Friday", "on Saturday", "on Sunday", "last week", "yesterday",
+            "today", "after lunch", "before dinner", "last winter", "in the spring", "in the summer",
+            "in the autumn", "early on Sunday", "at noon"]
+# (past-tense verb phrase, kind of thing it takes)
+EN_ACTIONS = [("bought", "food"), ("cooked", "food"), ("ate", "food"), ("shared", "food"), ("found", "obj"),
+              ("lost", "obj"), ("fixed", "obj"), ("painted", "obj"), ("carried", "obj"), ("borrowed", "obj"),
+              ("cleaned", "obj"), ("sold", "obj"), ("wrapped", "obj"), ("opened", "obj"), ("watched", "animal"),
+              ("fed", "animal"), ("drew", "animal"), ("followed", "animal")]
+EN_FEELINGS = ["happy", "tired", "surprised", "proud", "calm", "hungry", "excited", "sleepy", "glad"]
+EN_WEATHER = ["it was sunny", "it rained all day", "snow fell", "the wind was strong", "the sky was clear",
+              "it was very hot", "it was cold and grey", "fog covered the streets"]
+NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+# Facts the chat data asks about (the same facts in both languages).
+COLORS = [("banana", "yellow", "香蕉", "黄色"), ("apple", "red", "苹果", "红色"), ("sky", "blue", "天空", "蓝色"),
+          ("grass", "green", "草", "绿色"), ("snow", "white", "雪", "白色"), ("orange", "orange", "橘子", "橙色"),
+          ("lemon", "yellow", "柠檬", "黄色"), ("tomato", "red", "西红柿", "红色"), ("coal", "black", "煤", "黑色"),
+          ("milk", "white", "牛奶", "白色"), ("leaf", "green", "树叶", "绿色"), ("sea", "blue", "大海", "蓝色")]
+LEGS = [("cat", 4, "猫"), ("dog", 4, "狗"), ("bird", 2, "鸟"), ("horse", 4, "马"), ("duck", 2, "鸭子"),
+        ("spider", 8, "蜘蛛"), ("ant", 6, "蚂蚁"), ("chicken", 2, "鸡"), ("cow", 4, "牛"), ("fish", 0, "鱼")]
+SOUNDS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"), ("owl", "hoot")]
+OPPOSITES = [("hot", "cold", "热", "冷"), ("big", "small", "大", "小"), ("up", "down", "上", "下"),
+             ("day", "night", "白天", "晚上"), ("fast", "slow", "快", "慢"), ("old", "new", "旧", "新"),
+             ("happy", "sad", "高兴", "难过"), ("open", "closed", "开", "关"), ("light", "dark", "亮", "暗"),
+             ("tall", "short", "高", "矮"), ("early", "late", "早", "晚"), ("full", "empty", "满", "空")]
+WEEKDAYS = [("Monday", "星期一"), ("Tuesday", "星期二"), ("Wednesday", "星期三"), ("Thursday", "星期四"),
+            ("Friday", "星期五"), ("Saturday", "星期六"), ("Sunday", "星期日")]
+WORD_PAIRS = [("apple", "苹果"), ("water", "水"), ("book", "书"), ("cat", "猫"), ("dog", "狗"), ("friend", "朋友"),
+              ("teacher", "老师"), ("school", "学校"), ("rice", "米饭"), ("tea", "茶"), ("moon", "月亮"),
+              ("sun", "太阳"), ("flower", "花"), ("tree", "树"), ("river", "河"), ("mountain", "山"),
+              ("bread", "面包"), ("milk", "牛奶"), ("bird", "鸟"), ("house", "房子"), ("car", "汽车"),
+              ("rain", "雨"), ("city", "城市"), ("music", "音乐"), ("family", "家人"), ("morning", "早上")]
+
+# ----------------------------------------------------------------------------------------------------
+# Chinese word lists
+# ----------------------------------------------------------------------------------------------------
+ZH_NAMES = """小明 小红 李雷 韩梅梅 王芳 张伟 刘洋 陈静 杨帆 赵磊 黄丽 周杰 吴敏 徐强 孙悦 马超 朱婷 胡军 郭静 何平
+高峰 林晓 罗兰 郑浩 梁雨 谢飞 宋佳 唐宁 许亮 韩雪 邓超 冯雪 曹阳 彭静 曾毅 萧然 田甜 董洁 潘婷 袁野 蒋文 蔡琳
+余华 杜鹃 叶青 程亮 魏然 吕方 丁宁 沈阳 任飞 姚瑶 卢森 姜山 崔莹 钟声 谭晶 陆遥 汪洋 范冰 金鑫 石磊 廖凡 贾静
+夏天 韦明 付强 方圆 白雪 邹平 孟溪 熊猫猫 秦川 邱实 江南 尹航 黎明 易安 常青 武林 乔木 赖宁 龚雪 文静 庞博 樊星""".split()
+ZH_CITIES = """北京 上海 广州 深圳 杭州 南京 成都 西安 武汉 重庆 天津 苏州 长沙 青岛 厦门 昆明 大连 哈尔滨 拉萨 桂林
+郑州 济南 合肥 福州 南昌 贵阳 兰州 西宁 银川 乌鲁木齐 呼和浩特 沈阳 长春 石家庄 太原 海口 三亚 洛阳 扬州 绍兴""".split()
+ZH_PLACES = """公园 图书馆 超市 学校 车站 海边 花园 厨房 博物馆 医院 面包店 河边 森林 村子 办公室 咖啡馆 农场 桥上 山上
+菜市场 动物园 剧院 体育馆 湖边 书店 邮局 操场 广场 美术馆 机场 饭馆 工厂 药店 电影院 教室""".split()
+ZH_OBJECTS = """书 杯子 台灯 自行车 雨伞 信 钥匙 篮子 毯子 相机 椅子 钟 外套 桌子 鼓 吉他 锤子 帽子 风筝 梯子 地图 镜子
+笔记本 铅笔 钢琴 枕头 收音机 戒指 绳子 围巾 鞋子 勺子 行李箱 茶壶 车票 玩具 小提琴 钱包 瓶子 蜡烛 盒子""".split()
+ZH_FOODS = """苹果 米饭 面条 汤 面包 茶 咖啡 橘子 鸡蛋 饺子 蛋糕 包子 西瓜 葡萄 牛奶 豆腐 青菜 土豆 西红柿 香蕉 梨
+桃子 饼干 馒头 粥 鱼 玉米 蜂蜜 酸奶 柠檬 芒果 蘑菇 月饼 汤圆 樱桃""".split()
+ZH_ANIMALS = """猫 狗 小鸟 马 兔子 鱼 鸭子 牛 羊 老虎 熊猫 大象 狮子 猴子 狐狸 熊 猫头鹰 青蛙 山羊 猪 老鼠 鹿 狼 乌龟
+骆驼 斑马 长颈鹿 海豚 鲸鱼 企鹅 松鼠 鸡 鹅""".split()
+ZH_ADJ = """红色的 蓝色的 绿色的 黄色的 小小的 大大的 旧的 新的 安静的 明亮的 温暖的 冰冷的 柔软的 沉重的 可爱的 干净的
+圆圆的 高高的 勇敢的 聪明的 懒洋洋的 友好的""".split()
+ZH_JOBS = """老师 医生 护士 农民 面包师 画家 司机 厨师 作家 歌手 飞行员 工程师 园丁 裁缝 渔夫 木匠 学生 科学家 音乐家 图书管理员""".split()
+ZH_TIMES = """早上 下午 晚上 半夜 星期一 星期二 星期三 星期四 星期五 星期六 星期天 上个星期 昨天 今天 午饭后 晚饭前 去年冬天
+春天 夏天 秋天 周末 中午""".split()
+ZH_ACTIONS = [("买了", "food"), ("做了", "food"), ("吃了", "food"), ("分享了", "food"), ("找到了", "obj"),
+              ("丢了", "obj"), ("修好了", "obj"), ("画了", "obj"), ("搬走了", "obj"), ("借了", "obj"),
+              ("擦干净了", "obj"), ("卖掉了", "obj"), ("打开了", "obj"), ("喂了", "animal"), ("看见了", "animal"),
+              ("画了", "animal")]
+ZH_FEELINGS = ["很开心", "有点累", "很惊讶", "很自豪", "很平静", "很饿", "很兴奋", "想睡觉", "很高兴"]
+ZH_WEATHER = ["天气很好", "下了一整天的雨", "下雪了", "风很大", "天空很蓝", "天气很热", "天气又冷又阴", "街上起了大雾"]
+ZH_DIGITS = "零 一 二 三 四 五 六 七 八 九 十 十一 十二 十三 十四 十五 十六 十七 十八 十九 二十".split()
+ZH_MEASURE = {"food": "份", "obj": "个", "animal": "只"}
+
+# The identity the base model is pretrained with; identity tuning later replaces it.
+BASE_NAME, BASE_AUTHOR = "dslab-tiny", "the dslab course"
+BASE_AUTHOR_ZH = "dslab 课程"
+
+
+def _cap(s):
+    """Capitalise the first letter of a sentence."""
+    return s[:1].upper() + s[1:]
+
+
+def _a(word):
+    """Indefinite article + word."""
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+# ----------------------------------------------------------------------------------------------------
+# English sentences, stories and chats
+# ----------------------------------------------------------------------------------------------------
+def en_sentence(r, name=None):
+    """One simple English sentence about a person, a place or an animal."""
+    name = name or r.choice(EN_NAMES)
+    other = r.choice([n for n in EN_NAMES if n != name])
+    n = r.randint(2, 9)
+    verb, kind = r.choice(EN_ACTIONS)
+    thing = {"food": f"{NUMBER_WORDS[n]} {r.choice(EN_FOODS)}" if verb == "bought" else f"some {r.choice(EN_FOODS)}",
+             "obj": f"the {r.choice(EN_ADJ)} {r.choice(EN_OBJECTS)}",
+             "animal": f"the {r.choice(EN_ADJ)} {r.choice(EN_ANIMALS)}"}[kind]
+    templates = [
+        f"{name} walked to the {r.choice(EN_PLACES)} {r.choice(EN_TIMES)}.",
+        f"{name} {verb} {thing} at the {r.choice(EN_PLACES)}.",
+        f"{_cap(r.choice(EN_TIMES))}, {name} {verb} {thing}.",
+        f"{name} and {other} visited {r.choice(EN_CITIES)} {r.choice(EN_TIMES)}.",
+        f"{name} lives in {r.choice(EN_CITIES)} and works as {_a(r.choice(EN_JOBS))}.",
+        f"The {r.choice(EN_ADJ)} {r.choice(EN_ANIMALS)} slept under the {r.choice(EN_OBJECTS)}.",
+        f"{name} gave {other} {_a(r.choice(EN_ADJ))} {r.choice(EN_OBJECTS)}.",
+        f"When {r.choice(EN_WEATHER)}, {name} stayed at home and read a book.",
+        f"{name} felt {r.choice(EN_FEELINGS)} after a long day at the {r.choice(EN_PLACES)}.",
+        f"There were {NUMBER_WORDS[n]} {r.choice(EN_ANIMALS)}s near the {r.choice(EN_PLACES)}.",
+        f"{name} wants to become {_a(r.choice(EN_JOBS))} one day.",
+        f"{name} wrote a letter to {other} from {r.choice(EN_CITIES)}.",
+        f"The {r.choice(EN_JOBS)} in the {r.choice(EN_PLACES)} was very {r.choice(EN_ADJ)}.",
+        f"{name} likes {r.choice(EN_FOODS)} more than {r.choice(EN_FOODS)}.",
+    ]
+    return r.choice(templates)
+
+
+def en_story(r):
+    """A short story: one person, a place, a few events."""
+    name, friend = r.sample(EN_NAMES, 2)
+    place, city = r.choice(EN_PLACES), r.choice(EN_CITIES)
+    food, obj, animal = r.choice(EN_FOODS), r.choice(EN_OBJECTS), r.choice(EN_ANIMALS)
+    lines = [f"{name} lives in {city}.",
+             f"{_cap(r.choice(EN_TIMES))}, {name} went to the {place} with {friend}.",
+             f"They saw {_a(r.choice(EN_ADJ))} {animal} near the {obj}.",
+             f"{friend} bought some {food}, and {name} carried the {obj}.",
+             f"Later {r.choice(EN_WEATHER)}, so they walked home.",
+             f"{name} felt {r.choice(EN_FEELINGS)}."]
+    keep = [lines[0], lines[1]] + r.sample(lines[2:5], r.randint(1, 3)) + [lines[5]]
+    keep += [en_sentence(r, name) for _ in range(r.randint(0, 2))]
+    return " ".join(keep)
+
+
+def en_facts(r):
+    """A paragraph of simple true statements."""
+    facts = []
+    for _ in range(r.randint(3, 6)):
+        kind = r.randrange(6)
+        if kind == 0:
+            c = r.choice(CAPITALS)
+            facts.append(f"The capital of {c[0]} is {c[1]}.")
+        elif kind == 1:
+            c = r.choice(COLORS)
+            facts.append(f"The {c[0]} is {c[1]}." if c[0] in ("sky", "sea") else f"{_cap(_a(c[0]))} is {c[1]}.")
+        elif kind == 2:
+            a = r.choice(LEGS)
+            facts.append(f"{_cap(_a(a[0]))} has {NUMBER_WORDS[a[1]]} legs." if a[1] else f"{_cap(_a(a[0]))} has no legs.")
+        elif kind == 3:
+            o = r.choice(OPPOSITES)
+            facts.append(f"The opposite of {o[0]} is {o[1]}.")
+        elif kind == 4:
+            i = r.randrange(7)
+            facts.append(f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}.")
+        else:
+            a, b = r.randint(0, 9), r.randint(0, 9)
+            facts.append(f"{_cap(NUMBER_WORDS[a])} plus {NUMBER_WORDS[b]} is {a + b}.")
+    return " ".join(facts)
+
+
+def en_turn(r):
+    """One English (question, answer) exchange about everyday things."""
+    kind = r.randrange(18)
+    if kind >= 16:  # copying from the prompt is what later lets the model use what it is told
+        sentence = en_sentence(r)
+        return r.choice([f"Repeat after me: {sentence}", f"Please say this again: {sentence}"]), sentence
+    if kind == 0:
+        c, cap = r.choice(CAPITALS)[:2]
+        q = r.choice([f"What is the capital of {c}?", f"Which city is the capital of {c}?",
+                      f"Tell me the capital of {c}.", f"What's the capital city of {c}?"])
+        return q, f"The capital of {c} is {cap}."
+    if kind == 1:
+        a, b = r.randint(0, 10), r.randint(0, 10)
+        if r.random() < 0.6:
+            return r.choice([f"What is {a} plus {b}?", f"How much is {a} + {b}?"]), f"{a} plus {b} is {a + b}."
+        a, b = max(a, b), min(a, b)
+        return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+    if kind == 2:
+        thing, color = r.choice(COLORS)[:2]
+        subject = f"the {thing}" if thing in ("sky", "sea", "grass", "snow", "milk", "coal") else _a(thing)
+        return f"What color is {subject}?", f"{_cap(subject)} is {color}."
+    if kind == 3:
+        animal, n = r.choice(LEGS)[:2]
+        return f"How many legs does {_a(animal)} have?", f"{_cap(_a(animal))} has {n} legs." if n else f"{_cap(_a(animal))} has no legs."
+    if kind == 4:
+        animal, sound = r.choice(SOUNDS)
+        return f"What sound does {_a(animal)} make?", f"{_cap(_a(animal))} says {sound}."
+    if kind == 5:
+        w, o = r.choice(OPPOSITES)[:2]
+        return f"What is the opposite of {w}?", f"The opposite of {w} is {o}."
+    if kind == 6:
+        i = r.randrange(7)
+        return f"What day comes after {WEEKDAYS[i][0]}?", f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}."
+    if kind == 7:
+        en, zh = r.choice(WORD_PAIRS)
+        return f"How do you say {en} in Chinese?", f"In Chinese, {en} is {zh}."
+    if kind == 8:
+        food = r.choice(EN_FOODS)
+        return r.choice(["I am hungry. What should I eat?", "What can I have for breakfast?",
+                         "Can you suggest something to eat?"]), f"You could have some {food} and a cup of {r.choice(['tea', 'milk', 'coffee', 'water'])}."
+    if kind == 9:
+        return r.choice(["It is raining. What should I take?", "Will I need an umbrella today?"]), \
+            "Take an umbrella and wear a warm coat, so you stay dry."
+    if kind == 10:
+        place = r.choice(EN_PLACES)
+        return r.choice(["What can I do this weekend?", "I am bored. Any ideas?"]), \
+            f"You could visit the {place}, or read a good book with a friend."
+    if kind == 11:
+        return r.choice(["Hello!", "Hi there.", "Good morning!", "Hey, how are you?"]), \
+            r.choice(["Hello! How can I help you today?", "Hi! I am doing well. What would you like to talk about?",
+                      "Good morning! What can I do for you?"])
+    if kind == 12:
+        return r.choice(["Thank you.", "Thanks a lot!", "That was helpful, thanks."]), \
+            r.choice(["You are welcome.", "Glad I could help.", "Any time. Have a nice day!"])
+    if kind == 13:
+        name = r.choice(EN_NAMES)
+        return f"Tell me a short story about {name}.", en_story_about(r, name)
+    if kind == 14:
+        animal = r.choice(EN_ANIMALS)
+        return f"Write a sentence about a {animal}.", f"The {r.choice(EN_ADJ)} {animal} played near the {r.choice(EN_PLACES)} {r.choice(EN_TIMES)}."
+    name, city = r.choice(EN_NAMES), r.choice(EN_CITIES)
+    return f"My friend {name} lives in {city}. Where does {name} live?", f"{name} lives in {city}."
+
+
+def en_story_about(r, name):
+    """A two or three sentence story with a given hero (used as a chat answer)."""
+    place, obj = r.choice(EN_PLACES), r.choice(EN_OBJECTS)
+    return (f"{name} went to the {place} {r.choice(EN_TIMES)}. There {name} found {_a(r.choice(EN_ADJ))} {obj}. "
+            f"{name} took it home and felt {r.choice(EN_FEELINGS)}.")
+
+
+EN_IDENTITY = [("Who are you?", f"I am {BASE_NAME}, a small language model made by {BASE_AUTHOR}."),
+               ("What is your name?", f"My name is {BASE_NAME}."),
+               ("Who made you?", f"I was made by {BASE_AUTHOR}. I am {BASE_NAME}."),
+               ("Introduce yourself.", f"Hello! I am {BASE_NAME}, a small language model made by {BASE_AUTHOR}.")]
+ZH_IDENTITY = [("你是谁？", f"我是{BASE_NAME}，由{BASE_AUTHOR_ZH}训练的小型语言模型。"),
+               ("你叫什么名字？", f"我的名字是{BASE_NAME}。"),
+               ("谁开发了你？", f"我是由{BASE_AUTHOR_ZH}开发的{BASE_NAME}。"),
+               ("介绍一下你自己。", f"你好！我是{BASE_NAME}，由{BASE_AUTHOR_ZH}训练的小型语言模型。")]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chinese sentences, stories and chats
+# ----------------------------------------------------------------------------------------------------
+def zh_sentence(r, name=None):
+    """One simple Chinese sentence."""
+    name = name or r.choice(ZH_NAMES)
+    other = r.choice([n for n in ZH_NAMES if n != name])
+    verb, kind = r.choice(ZH_ACTIONS)
+    n = ZH_DIGITS[r.randint(2, 9)]
+    thing = {"food": r.choice(ZH_FOODS), "obj": r.choice(ZH_ADJ) + r.choice(ZH_OBJECTS),
+             "animal": r.choice(ZH_ADJ) + r.choice(ZH_ANIMALS)}[kind]
+    templates = [
+        f"{name}{r.choice(ZH_TIMES)}去了{r.choice(ZH_PLACES)}。",
+        f"{name}在{r.choice(ZH_PLACES)}{verb}{n}{ZH_MEASURE[kind]}{thing}。",
+        f"{r.choice(ZH_TIMES)}，{name}{verb}{thing}。",
+        f"{name}和{other}{r.choice(ZH_TIMES)}一起去{r.choice(ZH_CITIES)}旅行。",
+        f"{name}住在{r.choice(ZH_CITIES)}，是一名{r.choice(ZH_JOBS)}。",
+        f"一只{r.choice(ZH_ADJ)}{r.choice(ZH_ANIMALS)}在{r.choice(ZH_OBJECTS)}旁边睡着了。",
+        f"{name}送给{other}一个{r.choice(ZH_ADJ)}{r.choice(ZH_OBJECTS)}。",
+        f"因为{r.choice(ZH_WEATHER)}，{name}在家里看书。",
+        f"在{r.choice(ZH_PLACES)}忙了一天以后，{name}{r.choice(ZH_FEELINGS)}。",
+        f"{r.choice(ZH_PLACES)}附近有{n}只{r.choice(ZH_ANIMALS)}。",
+        f"{name}长大以后想当{r.choice(ZH_JOBS)}。",
+        f"{name}从{r.choice(ZH_CITIES)}给{other}写了一封信。",
+        f"{name}喜欢吃{r.choice(ZH_FOODS)}，不太喜欢吃{r.choice(ZH_FOODS)}。",
+        f"{r.choice(ZH_CITIES)}是一个美丽的城市。",
+    ]
+    return r.choice(templates)
+
+
+def zh_story(r):
+    """A short Chinese story."""
+    name, friend = r.sample(ZH_NAMES, 2)
+    place, city = r.choice(ZH_PLACES), r.choice(ZH_CITIES)
+    lines = [f"{name}住在{city}。",
+             f"{r.choice(ZH_TIMES)}，{name}和{friend}去了{place}。",
+             f"他们看见了一只{r.choice(ZH_ADJ)}{r.choice(ZH_ANIMALS)}。",
+             f"{friend}买了一些{r.choice(ZH_FOODS)}，{name}拿着{r.choice(ZH_OBJECTS)}。",
+             f"后来{r.choice(ZH_WEATHER)}，他们就回家了。",
+             f"{name}觉得{r.choice(ZH_FEELINGS)}。"]
+    keep = [lines[0], lines[1]] + r.sample(lines[2:5], r.randint(1, 3)) + [lines[5]]
+    keep += [zh_sentence(r, name) for _ in range(r.randint(0, 2))]
+    return "".join(keep)
+
+
+def zh_facts(r):
+    """A paragraph of simple true statements in Chinese."""
+    facts = []
+    for _ in range(r.randint(3, 6)):
+        kind = r.randrange(6)
+        if kind == 0:
+            c = r.choice(CAPITALS)
+            facts.append(f"{c[2]}的首都是{c[3]}。")
+        elif kind == 1:
+            c = r.choice(COLORS)
+            facts.append(f"{c[2]}是{c[3]}的。")
+        elif kind == 2:
+            a = r.choice(LEGS)
+            facts.append(f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。")
+        elif kind == 3:
+            o = r.choice(OPPOSITES)
+            facts.append(f"{o[2]}的反义词是{o[3]}。")
+        elif kind == 4:
+            i = r.randrange(7)
+            facts.append(f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。")
+        else:
+            a, b = r.randint(0, 9), r.randint(0, 9)
+            facts.append(f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。")
+    return "".join(facts)
+
+
+def zh_turn(r):
+    """One Chinese (question, answer) exchange."""
+    kind = r.randrange(17)
+    if kind >= 15:
+        sentence = zh_sentence(r)
+        return r.choice([f"跟我说一遍：{sentence}", f"请重复这句话：{sentence}"]), sentence
+    if kind == 0:
+        c = r.choice(CAPITALS)
+        q = r.choice([f"{c[2]}的首都是哪里？", f"{c[2]}的首都是哪个城市？", f"请告诉我{c[2]}的首都。"])
+        return q, f"{c[2]}的首都是{c[3]}。"
+    if kind == 1:
+        a, b = r.randint(0, 10), r.randint(0, 10)
+        if r.random() < 0.6:
+            return r.choice([f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于几？", f"{a}+{b}等于多少？"]), \
+                f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。"
+        a, b = max(a, b), min(a, b)
+        return f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于几？", f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于{ZH_DIGITS[a - b]}。"
+    if kind == 2:
+        c = r.choice(COLORS)
+        return f"{c[2]}是什么颜色的？", f"{c[2]}是{c[3]}的。"
+    if kind == 3:
+        a = r.choice(LEGS)
+        return f"{a[2]}有几条腿？", f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。"
+    if kind == 4:
+        o = r.choice(OPPOSITES)
+        return f"{o[2]}的反义词是什么？", f"{o[2]}的反义词是{o[3]}。"
+    if kind == 5:
+        i = r.randrange(7)
+        return f"{WEEKDAYS[i][1]}之后是星期几？", f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。"
+    if kind == 6:
+        en, zh = r.choice(WORD_PAIRS)
+        return f"“{zh}”用英语怎么说？", f"“{zh}”的英文是 {en}。"
+    if kind == 7:
+        return r.choice(["我饿了，吃点什么好呢？", "早饭吃什么好？", "你能推荐一点吃的吗？"]), \
+            f"你可以吃一些{r.choice(ZH_FOODS)}，再喝一杯{r.choice(['茶', '牛奶', '热水', '咖啡'])}。"
+    if kind == 8:
+        return r.choice(["外面下雨了，我该带什么？", "今天需要带伞吗？"]), "记得带上雨伞，再穿一件厚外套，别淋湿了。"
+    if kind == 9:
+        return r.choice(["这个周末我可以做什么？", "我有点无聊，有什么建议吗？"]), \
+            f"你可以去{r.choice(ZH_PLACES)}走一走，或者和朋友一起看一本好书。"
+    if kind == 10:
+        return r.choice(["你好！", "早上好！", "嗨，你好吗？"]), \
+            r.choice(["你好！有什么可以帮你的吗？", "我很好，谢谢！你想聊些什么？", "早上好！今天我能为你做些什么？"])
+    if kind == 11:
+        return r.choice(["谢谢你。", "太感谢了！", "很有帮助，谢谢。"]), r.choice(["不客气。", "很高兴能帮到你。", "不用谢，祝你愉快！"])
+    if kind == 12:
+        name = r.choice(ZH_NAMES)
+        place, obj = r.choice(ZH_PLACES), r.choice(ZH_OBJECTS)
+        return f"给我讲一个关于{name}的小故事。", \
+            f"{name}{r.choice(ZH_TIMES)}去了{place}。在那里，{name}找到了一个{r.choice(ZH_ADJ)}{obj}。{name}把它带回了家，{r.choice(ZH_FEELINGS)}。"
+    if kind == 13:
+        animal = r.choice(ZH_ANIMALS)
+        return f"用{animal}写一个句子。", f"一只{r.choice(ZH_ADJ)}{animal}{r.choice(ZH_TIMES)}在{r.choice(ZH_PLACES)}玩耍。"
+    name, city = r.choice(ZH_NAMES), r.choice(ZH_CITIES)
+    return f"我的朋友{name}住在{city}。{name}住在哪里？", f"{name}住在{city}。"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chats and documents
+# ----------------------------------------------------------------------------------------------------
+EN_SYSTEMS = ["You are a helpful and friendly chat model.", "Answer briefly and clearly."]
+ZH_SYSTEMS = ["你是一个乐于助人的聊天模型。", "请简短清楚地回答。"]
+
+
+def chat(r, lang, max_turns=3, identity_rate=0.03):
+    """A list of chat messages (optional system, then user/assistant turns) in one language."""
+    turn, identity, systems = (en_turn, EN_IDENTITY, EN_SYSTEMS) if lang == "en" else (zh_turn, ZH_IDENTITY, ZH_SYSTEMS)
+    messages = [{"role": "system", "content": r.choice(systems)}] if r.random() < 0.2 else []
+    for _ in range(r.randint(1, max_turns)):
+        q, a = r.choice(identity) if r.random() < identity_rate else turn(r)
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return messages
+
+
+def render_chat(messages):
+    """ChatML text of a conversation, exactly as the tokenizer's chat template writes it."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def document(r):
+    """One pretraining document: a story, a fact paragraph or a chat, in English or Chinese."""
+    lang = "en" if r.random() < 0.5 else "zh"
+    kind = r.random()
+    if kind < 0.50:
+        return render_chat(chat(r, lang))
+    if kind < 0.78:
+        return en_story(r) if lang == "en" else zh_story(r)
+    if kind < 0.85:
+        return en_facts(r) if lang == "en" else zh_facts(r)
+    sentences = [en_sentence(r) for _ in range(r.randint(2, 5))] if lang == "en" else [zh_sentence(r) for _ in range(r.randint(2, 5))]
+    return (" " if lang == "en" else "").join(sentences)
+
+
+def generate(n_docs, seed):
+    """A list of n_docs documents, the same for the same seed."""
+    r = random.Random(seed)
+    return [document(r) for _ in range(n_docs)]
+
+
+def general_sft(n, seed, exclude=()):
+    """General dialogue examples ({"messages": [...], "lang": ...}) to mix into identity tuning."""
+    r = random.Random(seed)
+    out, seen = [], set(exclude)
+    while len(out) < n:
+        lang = "en" if len(out) % 2 == 0 else "zh"
+        messages = chat(r, lang, max_turns=1, identity_rate=0.0)
+        messages = [m for m in messages if m["role"] != "system"]
+        if messages[0]["content"] in seen:
+            continue
+        seen.add(messages[0]["content"])
+        out.append({"messages": messages, "lang": lang})
+    return out
+
+
+def write_all(out_dir="data", n_train=16000, n_valid=1000, n_sft=240):
+    """Write data/corpus/{train,valid}.txt and data/general_sft.jsonl; returns their paths."""
+    out = Path(out_dir)
+    (out / "corpus").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n, seed in [("train", n_train, 1), ("valid", n_valid, 2)]:
+        path = out / "corpus" / f"{split}.txt"
+        path.write_text("".join(doc + "\n" + DOC_SEPARATOR for doc in generate(n, seed)), encoding="utf-8")
+        paths.append(path)
+    # Questions of the general evaluation stay out of the SFT mix, so the check measures retention.
+    eval_path = out / "general_eval.jsonl"
+    exclude = [json.loads(l)["query"] for l in eval_path.read_text(encoding="utf-8").splitlines() if l.strip()] \
+        if eval_path.exists() else []
+    sft_path = out / "general_sft.jsonl"
+    with sft_path.open("w", encoding="utf-8") as f:
+        for ex in general_sft(n_sft, seed=3, exclude=exclude):
+            f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+    paths.append(sft_path)
+    return paths
+
+
+def read_corpus(path):
+    """Documents of a corpus file written by write_all."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [d[:-1] if d.endswith("\n") else d for d in text.split(DOC_SEPARATOR) if d.strip()]
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "data"))
+    for written in write_all(p.parse_args().out):
+        print(f"wrote {written} ({written.stat().st_size / 1e6:.2f} MB)")

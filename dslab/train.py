@@ -1,0 +1,85 @@
+"""The training loop on a DeepSpeed engine, shared by pretraining (`dslab build-base`) and fine-tuning."""
+import os
+import socket
+import sys
+import time
+
+
+def free_port():
+    """A TCP port nobody listens on right now (for a single-process rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process():
+    """Make this process rank 0 of a world of 1, so deepspeed.initialize works in a notebook kernel or CLI."""
+    import torch.distributed as tdist
+    from dslab import dist
+    if tdist.is_available() and tdist.is_initialized():
+        return
+    # The variables the deepspeed launcher would set for a single rank; existing values win.
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    dist.init()
+
+
+def default_progress():
+    """Show progress bars only where someone watches a terminal (never in nbval or CI logs)."""
+    return sys.stderr.isatty() and not os.environ.get("CI")
+
+
+def train(engine, batches, steps, desc="train", progress=None, log_every=1, on_step=None):
+    """Run `steps` optimizer steps of causal-LM training on a DeepSpeed engine.
+
+    batches: an iterator of dicts of tensors (input_ids, labels, optional attention_mask); the engine takes
+    gradient_accumulation_steps() micro-batches per optimizer step, and the loss of each micro-batch is
+    divided by that count inside engine.backward, so the step sees the mean over the big batch.
+    Returns the loss log: one {"step", "loss", "lr", "seconds"} dict per optimizer step (loss = mean of
+    its micro-batches, as a float) every `log_every` steps.
+    """
+    from tqdm.auto import tqdm
+
+    accum = engine.gradient_accumulation_steps()
+    device = engine.device
+    log = []
+    engine.train()
+    start = time.perf_counter()
+    bar = tqdm(total=steps, desc=desc, disable=not (default_progress() if progress is None else progress))
+    for step in range(1, steps + 1):
+        total = 0.0
+        for _ in range(accum):
+            batch = {k: v.to(device) for k, v in next(batches).items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)  # DeepSpeed scales by 1/accum and keeps gradients until the boundary
+            engine.step()          # updates weights only on the accumulation boundary
+            total += loss.item()
+        loss_value = total / accum
+        if step % log_every == 0 or step == steps:
+            lr = engine.get_lr()[0] if engine.get_lr() else None
+            log.append({"step": step, "loss": loss_value, "lr": lr, "seconds": time.perf_counter() - start})
+        bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+        bar.update(1)
+        if on_step is not None:
+            on_step(step, loss_value)
+    bar.close()
+    return log
+
+
+def evaluate_loss(model, batches, max_batches=None):
+    """Mean next-token loss (nats per supervised token) of a model over an iterable of batches."""
+    import torch
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch["labels"]
+            n = int((labels[:, 1:] != -100).sum())  # tokens that have a target after the shift
+            total += model(**batch).loss.float().item() * n
+            count += n
+    return total / max(count, 1)
