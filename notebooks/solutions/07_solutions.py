@@ -1,0 +1,16 @@
+"""Instructor solutions for notebooks/07_inference.ipynb (checked by tests/test_exercises.py)."""
+from dslab import models
+
+config = models.tiny_config()
+
+# 07.allreduces_per_token: AutoTP closes attention (o_proj) and the MLP (down_proj) with one all-reduce each.
+allreduces_per_token = 2 * config.num_hidden_layers
+
+# 07.v_proj_shard: v_proj maps hidden -> kv_heads x head_dim; split by output features over 2 ranks.
+head_dim = config.hidden_size // config.num_attention_heads
+v_proj_shard = [config.num_key_value_heads * head_dim // 2, config.hidden_size]
+
+SOLUTIONS = {
+    "07.allreduces_per_token": allreduces_per_token,
+    "07.v_proj_shard": v_proj_shard,
+}

@@ -1,0 +1,69 @@
+"""AutoTP inference: same output as Hugging Face at tp=1 and tp=2, prompts enforced equal, kernel injection refused on CPU."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dslab import infer, launch, models, tp_infer
+
+# Not used anywhere in the notebooks.
+PROMPTS = ["A quiet harbour at dawn", "我们明天去", "List three colours:"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def hf_completions():
+    model, tokenizer = models.load_model(), models.load_tokenizer()
+    return infer.generate(model, tokenizer, PROMPTS, 16)
+
+
+def test_policy_marks_the_closing_linears():
+    assert tp_infer.autotp_policy(models.load_model()) == {"Qwen2DecoderLayer": ["mlp.down_proj", "self_attn.o_proj"]}
+
+
+def test_tp2_equals_hf_and_shards_layers(tmp_path, monkeypatch, hf_completions):
+    monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
+    result = tp_infer.run(PROMPTS, tp=2, max_new_tokens=16, stream=False)
+    assert result["completions"] == hf_completions
+    rows = {r["name"]: r for r in result["layers"]}
+    assert rows["self_attn.q_proj"]["weight"] == [128, 256] and rows["self_attn.o_proj"]["class"] == "LinearAllreduce"
+
+
+def test_cli_tp2_equals_tp1(tmp_path, hf_completions):
+    base = [sys.executable, "-m", "dslab.cli", "infer", "--max-new-tokens", "16", "--json"]
+    for p in PROMPTS:
+        base += ["--prompt", p]
+    env = {"DSLAB_RUNS_DIR": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    one = subprocess.run(base, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    two = subprocess.run(base + ["--tp", "2"], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert one.stdout == two.stdout
+    assert [r["completion"] for r in json.loads(two.stdout)] == hf_completions
+
+
+def test_different_prompts_on_ranks_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
+    script = tmp_path / "mismatch.py"
+    script.write_text(textwrap.dedent("""
+        from dslab import dist, tp_infer
+        rank, _ = dist.init()
+        tp_infer.same_prompts_on_every_rank(["same", f"rank {rank} differs"])
+    """))
+    with pytest.raises(launch.LaunchError, match=r"ranks \[1\] were given other prompts than rank 0 \(prompt 1"):
+        launch.run(str(script), world_size=2, stream=False)
+
+
+@pytest.mark.skipif(tp_infer.has_gpu(), reason="CPU-only message")
+def test_kernel_inject_refused_on_cpu(capsys):
+    from dslab import cli
+
+    assert cli.main(["infer", "--prompt", "hi", "--kernel-inject"]) == 2
+    assert "kernel injection needs a CUDA GPU" in capsys.readouterr().err
+    assert "LlamaDecoderLayer" in tp_infer.kernel_inject_families()
+
+
+def test_digest_sees_order_and_text():
+    assert tp_infer.prompts_digest(["a", "b"]) != tp_infer.prompts_digest(["b", "a"])
+    assert tp_infer.prompts_digest(["a"]) == tp_infer.prompts_digest(("a",))
