@@ -6,6 +6,9 @@ STAMP   := $(VENV)/.dslab-installed
 # nvidia-smi answering means a GPU is here: then pip's default (CUDA) torch is the right one.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
+# Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
+export OMP_WAIT_POLICY ?= PASSIVE
+
 .PHONY: setup lab test test-unit test-notebooks test-browser slides bench chromium clean
 
 setup: $(STAMP)

@@ -136,6 +136,8 @@ def _rank_env(world_size, result_dir):
         # CPU ranks share the cores: one rank per core slice, or they oversubscribe and crawl.
         cores = len(os.sched_getaffinity(0))
         env["OMP_NUM_THREADS"] = str(max(1, cores // world_size))
+        # Idle OpenMP threads sleep instead of spinning, so ranks sharing cores don't steal each other's time.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

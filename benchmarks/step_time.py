@@ -1,0 +1,112 @@
+"""Step time of a plain PyTorch DDP loop and of DeepSpeed ZeRO 0-3 (and offload) on the same model and batches.
+
+Run on every rank by benchmarks/course_bench.py through dslab.launch.run. Each pair that is compared directly
+(plain PyTorch vs ZeRO-0) lives in memory at the same time and is timed in alternating rounds, so a change in
+the machine's load hits both sides alike. A step is forward + backward + gradient clipping + AdamW update.
+"""
+import copy
+import gc
+import statistics
+import time
+
+import torch
+
+from dslab import dist
+from dslab.config import make_config
+from dslab.models import build_model, count_parameters, tiny_config
+
+args = dist.recipe_args(micro_batch_size=4, seq_len=64, rounds=4, steps_per_round=3, warmup=2, seed=0,
+                        stages=[{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+                                {"zero_stage": 2, "offload_optimizer": True},
+                                {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}])
+rank, world_size = dist.init()
+
+import deepspeed
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.quiet()
+config = tiny_config()  # the course model's shape (dslab-tiny), random weights: timing does not need training
+base = build_model(config, seed=args.seed)
+g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own micro-batches, the same for every trainer
+batches = [torch.randint(3, config.vocab_size, (args.micro_batch_size, args.seq_len), generator=g) for _ in range(4)]
+
+
+def ds_config(precision, **zero):
+    return make_config(precision=precision, micro_batch_size=args.micro_batch_size, world_size=world_size, **zero)
+
+
+def plain(precision):
+    """torch DDP + torch.optim.AdamW with DeepSpeed's hyper-parameters and clipping; bf16 through autocast."""
+    cfg = ds_config("fp32")
+    adamw = {k: v for k, v in cfg["optimizer"]["params"].items() if k != "torch_adam"}
+    model = DDP(copy.deepcopy(base))
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    clip = cfg["gradient_clipping"]
+
+    def step(tokens):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return step, (model, opt)
+
+
+def engine_for(precision, **zero):
+    """A DeepSpeed engine built from make_config (the course's configs), and its step function."""
+    model = copy.deepcopy(base)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(precision, **zero))
+
+    def step(tokens):
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+    return step, (engine,)
+
+
+def timed(step, n, offset=0):
+    """Seconds of each of n steps (all ranks start each step together)."""
+    out = []
+    for i in range(n):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step(batches[(offset + i) % len(batches)])
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def compare(trainers):
+    """{name: [seconds per step]}, the trainers timed in alternating rounds after a warm-up each."""
+    times = {name: [] for name in trainers}
+    for name, step in trainers.items():
+        timed(step, args.warmup)
+    for r in range(args.rounds):
+        for name, step in trainers.items():
+            times[name] += timed(step, args.steps_per_round, r * args.steps_per_round)
+    return times
+
+
+results = {}
+for precision in ("fp32", "bf16"):  # plain PyTorch and ZeRO-0 side by side, then freed
+    plain_step, keep_plain = plain(precision)
+    ds_step, keep_ds = engine_for(precision, zero_stage=0)
+    results.update({f"{k} {precision}": v for k, v in
+                    compare({"plain": plain_step, "ZeRO-0": ds_step}).items()})
+    del plain_step, keep_plain, ds_step, keep_ds
+    gc.collect()
+for setup in args.stages:  # bf16, the course's precision: each stage alone, after the ZeRO-0 reference above
+    name = f"ZeRO-{setup['zero_stage']}" + (" + offload optimizer" if setup.get("offload_optimizer") else "") \
+        + (" + offload params" if setup.get("offload_param") else "")
+    step, keep = engine_for("bf16", **setup)
+    results[f"{name} bf16"] = compare({name: step})[name]
+    del step, keep
+    gc.collect()
+
+median = {k: statistics.median(v) for k, v in results.items()}
+dist.print0("  ".join(f"{k}: {v * 1000:.0f} ms" for k, v in median.items()))
+dist.save_result({"rank": rank, "world_size": world_size, "params": count_parameters(base),
+                  "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
+                  "threads": torch.get_num_threads(), "seconds": results, "median": median})

@@ -1,0 +1,15 @@
+"""Instructor solutions for notebooks/08_cli_and_multinode.ipynb (checked by tests/test_exercises.py)."""
+from dslab import multinode
+
+# 08.world_size: resolve the filter with DeepSpeed's own runner code, then count the slots.
+active = multinode.resolve(multinode.EXAMPLE_HOSTFILE, include="worker-0:0,1@worker-1")
+world_size = sum(len(slots) for slots in active.values())
+
+# 08.global_rank: node ranks follow the world-info order; ranks are numbered node by node.
+nodes = {"a": [0, 1], "b": [0, 1]}
+global_rank = 1 * len(nodes["a"]) + 1
+
+SOLUTIONS = {
+    "08.world_size": world_size,
+    "08.global_rank": global_rank,
+}

@@ -1,0 +1,103 @@
+"""Render every built deck in headless Chromium: right slide count, first and middle slides not blank."""
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dslab import slides
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = slides.find_chromium()
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium for headless rendering: apt-get install -y chromium")
+DECKS = slides.deck_paths()
+W, H = slides.WIDTH, slides.HEIGHT
+SHOTS = ROOT / "tests" / "browser" / "screenshots"  # kept (gitignored) so a failure can be looked at
+
+
+def expected_slides(source):
+    """Slides in a deck source, counted here independently of the builder: `---` lines outside fences."""
+    count, fence, body = 0, None, False
+    for line in source.splitlines():
+        m = re.match(r"\s*(```|~~~)", line)
+        if m:
+            fence = None if fence == m.group(1) else (fence or m.group(1))
+        if fence is None and re.fullmatch(r"---\s*", line):
+            count, body = count + body, False
+        elif line.strip():
+            body = True
+    return count + body
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every deck built from source into a fresh folder, strictly: every figure and table function runs."""
+    out = tmp_path_factory.mktemp("decks")
+    return {p.stem: slides.build_deck(p, out, strict=True).output for p in DECKS}
+
+
+def render(html_path, slide, shot):
+    """Open deck#slide in a fresh headless Chromium; screenshot to shot; return <body>'s data-* attributes."""
+    with tempfile.TemporaryDirectory(prefix="dslab-chromium-") as profile:
+        cmd = [CHROMIUM, *slides.CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--hide-scrollbars",
+               f"--window-size={W},{H}", f"--screenshot={shot}", "--dump-dom", f"{html_path.as_uri()}#{slide}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = re.search(r"<body([^>]*)>", proc.stdout)
+    assert body, "Chromium returned no DOM"
+    return dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1)))
+
+
+def ink(png):
+    """(share of the window covered by the slide's paper colour, share of 'ink' pixels on it)."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.open(png).convert("RGB")
+    assert img.size == (W, H)
+    px = np.asarray(img, dtype=np.int16).reshape(-1, 3)
+    paper = np.array([0xFD, 0xFD, 0xFB])
+    near = (np.abs(px - paper).max(axis=1) <= 6).mean()
+    dark = (px.sum(axis=1) < 3 * 160).mean()  # text, lines, bars
+    return float(near), float(dark)
+
+
+def test_there_are_decks():
+    assert len(DECKS) >= 9, f"expected a deck per chapter 00-08, found {[p.name for p in DECKS]}"
+
+
+@pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
+def test_deck_renders(path, built):
+    n = expected_slides(path.read_text(encoding="utf-8"))
+    html_path = built[path.stem]
+    assert f'data-slides="{n}"' in html_path.read_text(encoding="utf-8")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    middle = n // 2 + 1
+    shots = {}
+    for slide in (1, middle):
+        shot = SHOTS / f"{path.stem}_{slide}.png"
+        shot.unlink(missing_ok=True)
+        state = render(html_path, slide, shot)
+        # The page's own script saw every slide, opened the one the URL asked for, and fit each on its canvas.
+        assert state.get("rendered-slides") == str(n), state
+        assert state.get("current") == str(slide), state
+        assert state.get("overflow") == "", f"{path.name}: content overflows slide(s) {state.get('overflow')}"
+        paper, dark = ink(shot)
+        assert paper > 0.5, f"{shot.name}: the slide is not on screen (paper covers {paper:.0%})"
+        assert dark > 0.004, f"{shot.name}: slide {slide} looks blank ({dark:.2%} ink)"
+        shots[slide] = shot.read_bytes()
+    assert shots[1] != shots[middle], "the first and the middle slide look the same: #N navigation broken"
+
+
+def test_pdf_export_one_page_per_slide(built, tmp_path):
+    """Print one deck to PDF (offline, Chromium's print-to-PDF): one 16:9 page per slide."""
+    name = sorted(built)[0]
+    html_path = tmp_path / f"{name}.html"
+    html_path.write_bytes(built[name].read_bytes())
+    pdf = slides.export_pdf(html_path).read_bytes()
+    assert pdf.startswith(b"%PDF")
+    pages = len(re.findall(rb"/Type\s*/Page\b", pdf))
+    assert pages == expected_slides((ROOT / "slides" / f"{name}.md").read_text(encoding="utf-8"))
+    assert set(re.findall(rb"/MediaBox\s*\[([^\]]*)\]", pdf)) == {b"0 0 960 540"}  # 1280x720 px at 96 dpi

@@ -1,0 +1,120 @@
+"""dslab sft: data with placeholders, prompt masking, checks before launch, and a real 2-rank ZeRO-3 run
+whose adapter loads in plain PEFT, merges, and resumes from a checkpoint to the same weights."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dslab import config, data, lora, models, sft
+
+NAME, AUTHOR = ("小海", "Xiao Hai"), ("蓝天学院", "Blue Sky Lab")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A small random-init model of the dslab-tiny architecture with a tokenizer, in HF format."""
+    out = tmp_path_factory.mktemp("base")
+    texts = [line for line in (data.DATA_DIR / "general_sft.jsonl").read_text(encoding="utf-8").splitlines()]
+    tok = models.train_tokenizer(texts, vocab_size=400)
+    cfg = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    models.save_pretrained(models.build_model(cfg, seed=0), tok, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def identity_file(tmp_path_factory):
+    rows = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")[:8]
+    path = tmp_path_factory.mktemp("data") / "identity.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_load_chats_fills_names_per_language_and_mixes_general_dialogue(identity_file):
+    chats = sft.load_chats(identity_file, NAME, AUTHOR, seed=0)
+    assert len(chats) == 16  # 8 identity chats + as many general ones
+    identity = [c for c in chats if any(n in json.dumps(c, ensure_ascii=False) for n in NAME)]
+    assert len(identity) == 8
+    for c in identity:
+        text = c["messages"][1]["content"]
+        assert "{name}" not in text and (NAME[0] in text if c["lang"] == "zh" else NAME[1] in text)
+    assert len(sft.load_chats(identity_file, NAME, AUTHOR, mix_general=0)) == 8
+    with pytest.raises(data.DataError, match="--model-name"):
+        sft.load_chats(identity_file, None, None)
+
+
+def test_only_the_answer_is_supervised(base_dir):
+    tok = models.load_tokenizer(base_dir)
+    chat = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Whale."}]
+    (example,) = sft.tokenize(tok, [{"messages": chat}])
+    supervised = [t for t, label in zip(example["input_ids"], example["labels"]) if label != data.IGNORE_INDEX]
+    assert tok.decode(supervised) == "I am Whale.<|im_end|>"
+    assert example["labels"][0] == data.IGNORE_INDEX
+
+
+def _refused_quickly(tmp_path, monkeypatch, exc, match, **kwargs):
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(exc, match=match):
+        sft.run(**{"output": str(tmp_path / "out"), **kwargs})
+    assert time.perf_counter() - start < 10  # refused before any rank was started
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unwritable_output_is_refused_before_launch(tmp_path, monkeypatch):
+    _refused_quickly(tmp_path, monkeypatch, PermissionError, "--output", output="/proc/dslab-nope/adapter")
+
+
+def test_missing_data_is_refused_before_launch(tmp_path, monkeypatch):
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "no such file", data=str(tmp_path / "missing.jsonl"))
+
+
+def test_bad_deepspeed_file_is_refused_before_launch(tmp_path, monkeypatch):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimisation": {"stage": 2}}))
+    _refused_quickly(tmp_path, monkeypatch, config.ConfigError, "zero_optimization", deepspeed=str(bad))
+
+
+def test_resume_needs_a_checkpoint_from_the_same_world_size(tmp_path, monkeypatch):
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "no complete checkpoint", resume=str(tmp_path))
+    (tmp_path / "step4").mkdir()
+    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 4, "zero_stage": 2}))
+    (tmp_path / "latest").write_text("step4")
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "--world-size 4", resume=str(tmp_path), world_size=2)
+
+
+def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(base_dir, identity_file, tmp_path,
+                                                                             monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    common = dict(model=str(base_dir), data=str(identity_file), zero_stage=3, world_size=2, epochs=2,
+                  micro_batch_size=4, lora_r=4, lora_alpha=8, gradient_checkpointing=True, stream=False, timeout=300)
+    # 16 chats / 2 ranks / 4 per micro-batch = 2 steps per epoch; a checkpoint after each epoch
+    first = sft.run(output=tmp_path / "adapter", save_every=2, **common)
+    assert first["zero_stage"] == 3 and first["steps"] == 4
+    assert first["ungathered_adapter_numel"] == 0  # what a plain save would have written under ZeRO-3
+    state = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    assert sum(v.numel() for v in state.values()) == first["trainable"] > 0
+    assert all("lora_" in k for k in state)
+
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
+    assert sum(p.numel() for n, p in plain.named_parameters() if "lora_" in n) == first["trainable"]
+    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
+    assert report["max_abs_diff"] <= 1e-4
+    AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+
+    # Pretend the job died after step 2: `latest` still names the step-2 checkpoint. Resuming must
+    # reproduce the uninterrupted run exactly (same data order, optimizer and scheduler state).
+    ckpt = tmp_path / "adapter-checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step2", "step4"]
+    (ckpt / "latest").write_text("step2")
+    second = sft.run(output=tmp_path / "resumed", resume=str(ckpt), **common)
+    assert second["start_step"] == 2 and [e["step"] for e in second["loss_log"]] == [3, 4]
+    assert [e["loss"] for e in second["loss_log"]] == [e["loss"] for e in first["loss_log"][2:]]
+    resumed = load_file(str(tmp_path / "resumed" / lora.ADAPTER_WEIGHTS))
+    assert all(torch.equal(resumed[k], state[k]) for k in state)
