@@ -7,9 +7,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Every linear layer of a Qwen2/Llama block, plus the output head. Without lm_head a tiny base learns a
-# new name slowly: the frozen head cannot raise the scores of the name's sub-words (see chapter 05).
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# Every linear layer of a Qwen2/Llama block (PEFT's and ms-swift's "all-linear"), not the output head.
+# lm_head scores every token of every answer (and is tied to the input embeddings here): an adapter there
+# learns a new name faster but pushes the name into unrelated answers too (chapter 05 measures it).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Token ids the merge check feeds to both models (any ids below the vocabulary size do).
@@ -248,7 +249,9 @@ def save_full_model(model, tokenizer, output_dir, rank=None):
         if rank == 0:
             empty = [n for n, p in model.named_parameters() if p.numel() == 0]
             if empty:
-                raise AdapterError(f"refusing to save a model with size-0 weights (e.g. {empty[0]!r})")
+                raise AdapterError(f"refusing to save a model with size-0 weights (e.g. {empty[0]!r}); these are ZeRO-3 "
+                                   "placeholders: the weights were not gathered. Fix: call save_full_model on every "
+                                   "rank (it gathers under ZeRO-3) or save from a non-ZeRO process")
             with atomic_dir(output_dir) as tmp:
                 model.save_pretrained(str(tmp))
                 tokenizer.save_pretrained(str(tmp))

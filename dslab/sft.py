@@ -315,6 +315,8 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         for f in files:
             if not Path(f).is_file():
                 raise SFTError(f"--data {f}: no such file")
+        # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
+        load_chats(files, model_name, model_author, mix_general, seed)
     lora.check_writable(output)  # before minutes of training, not after
     if save_every:
         checkpoint_dir = checkpoint_dir or f"{str(output).rstrip('/')}-checkpoints"

@@ -2,19 +2,19 @@
 
 A slide pulls live content from the kit with a directive on a line of its own:
 
-    ![figure: caption](dslab.plots:zero_memory_bars(world_size=4))   the Figure, embedded as PNG
-    ![table: caption](dslab.memory:zero_table(params=7.5e9) | stage, per_rank_gb)   data as a table
-    ![table: caption](dslab.env:report()["features"] | name, available)        part of the data
-    ![figure](dslab.plots:loss_scale_trace(dslab.precision.trace_grad_scaler()))  data -> plot
-    ![code: caption](dslab.multinode:EXAMPLE_HOSTFILE)                a string, as a code block
-    ![terms](glossary: ZeRO; sharding)                               rows of docs/glossary.md
+    ![figure: caption](dslab.plots:zero_partition_map(world_size=4))        the Figure, as a PNG
+    ![table: caption](dslab.memory:ladder(params=7.5e9, world_size=64) | setup, total:GB)
+    ![table: caption](dslab.env:report()["features"] | name, available)      part of the data
+    ![figure](dslab.plots:loss_scale_trace(dslab.precision.trace_grad_scaler()))   data -> plot
+    ![code: caption](dslab.multinode:EXAMPLE_HOSTFILE)                      a string, as code
+    ![terms](glossary: ZeRO; sharding)                                     rows of docs/glossary.md
 
-A figure or table directive evaluates a small expression: calls of the module's functions (or of
-dotted dslab.* functions) with literal arguments or other such calls, and `["key"]` subscripts; the
-names after `|` pick the table's columns. The value may be (Figure, data), a Figure, or data: a list
-of dicts, a dict of lists or a dict of values.
-So the decks show what the notebooks compute, regenerated on every build. The output is one HTML file
-per deck with the CSS, the script and every figure inline: it opens offline, from a USB stick.
+The target is a small expression: calls of the module's functions (or of dotted dslab.* functions)
+with literal arguments or other such calls, and literal `["key"]` subscripts; the names after `|` pick
+(and convert: `total:GB`) the table's columns. A plot function returns (Figure, data); a table shows a
+list of dicts, a dict of lists or a dict. So the decks show what the notebooks compute, regenerated on
+every build. Each deck becomes one HTML file with its CSS, script and figures inline: it opens offline.
+slides/README.md describes the format for deck authors.
 
     python -m dslab.slides build [DECK ...] [--strict] [--pdf]   (also: dslab slides build)
     python -m dslab.slides check [DECK ...]    every directive names a function / term that exists
@@ -27,6 +27,7 @@ import copy
 import html
 import importlib
 import importlib.util
+import inspect
 import io
 import re
 import shutil
@@ -197,36 +198,47 @@ def _check_expr(node, expr):
             raise SlideError(f"bad expression {expr!r}: subscripts must be literals, e.g. [\"rows\"] or [0]")
         return _check_expr(node.value, expr)
     if isinstance(node, ast.Call):
-        _check_expr(node.func, expr)
-        if isinstance(node.func, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args) \
+        if not _dotted(node.func) or any(isinstance(a, ast.Starred) for a in node.args) \
                 or any(kw.arg is None for kw in node.keywords):
             raise SlideError(f"bad expression {expr!r}: call functions by name, without * or **")
         for a in list(node.args) + [kw.value for kw in node.keywords]:
             _check_expr(a, expr)
         return
-    name = _dotted(node)
-    if name and (isinstance(node, ast.Name) or name.startswith("dslab.")):
+    if _dotted(node):  # f, f.__doc__ (from the directive's module) or dslab.module.f
         return
     raise SlideError(f"bad expression {expr!r}: only literals, dslab functions, calls and [key] are allowed")
 
 
 def _lookup(name, module_name):
-    """A bare name from the directive's module, or a dotted dslab.x.y name; Missing if it is not there."""
-    if "." not in name:
-        module_name, attrs = module_name, [name]
-    else:
-        parts = name.split(".")
-        for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
-            prefix = ".".join(parts[:i])
-            try:
-                found = prefix in sys.modules or importlib.util.find_spec(prefix) is not None
-            except ModuleNotFoundError:  # a prefix that is a module, not a package, has no submodules
-                found = False
-            if found:
-                module_name, attrs = ".".join(parts[:i]), parts[i:]
-                break
-        else:
-            raise Missing(f"module {'.'.join(parts[:-1])} does not exist yet")
+    """A name from the directive's module (f, f.__doc__) or a dotted dslab.x.y name; Missing if not there.
+
+    A name from the module must be something the module defines (not, say, its `os` import).
+    """
+    if not name.startswith("dslab."):
+        first, *rest = name.split(".")
+        obj = _lookup_in(module_name, [first], name)
+        if not str(getattr(obj, "__module__", None) or "").startswith("dslab") \
+                and not isinstance(obj, (str, int, float, dict, list, tuple)):
+            raise SlideError(f"{name}: {first} is not defined by {module_name}")
+        for attr in rest:
+            if not hasattr(obj, attr):
+                raise Missing(f"{module_name}.{name} does not exist")
+            obj = getattr(obj, attr)
+        return obj
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        prefix = ".".join(parts[:i])
+        try:
+            found = prefix in sys.modules or importlib.util.find_spec(prefix) is not None
+        except ModuleNotFoundError:  # a prefix that is a module, not a package, has no submodules
+            found = False
+        if found:
+            return _lookup_in(prefix, parts[i:], name)
+    raise Missing(f"module {'.'.join(parts[:-1])} does not exist yet")
+
+
+def _lookup_in(module_name, attrs, name):
+    """module_name.attrs[0].attrs[1]...; Missing if the module or an attribute does not exist (yet)."""
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -495,7 +507,8 @@ def code_html(data, caption="", name="the expression"):
     if not isinstance(data, str):
         raise SlideError(f"{name} gave {type(data).__name__}; ![code] shows a string or a list of lines")
     cap = f'<p class="caption">{_inline(caption)}</p>' if caption else ""
-    return f'<pre class="wrap"><code>{html.escape(data.rstrip())}</code></pre>{cap}'
+    text = inspect.cleandoc(data)  # a docstring's indentation goes, other text is unchanged
+    return f'<pre class="wrap"><code>{html.escape(text)}</code></pre>{cap}'
 
 
 def _split_result(result):
@@ -653,7 +666,7 @@ pre, .hl pre {{ font-family: "DejaVu Sans Mono", "Noto Sans Mono", monospace; fo
        background: #f3f5f8; border-left: 4px solid #18406b; padding: 10px 16px; margin: 10px 0; white-space: pre; }}
 .hl {{ background: transparent; }}
 pre code {{ background: none; padding: 0; font-size: inherit; }}
-pre.wrap {{ white-space: pre-wrap; overflow-wrap: anywhere; }}
+pre.wrap {{ white-space: pre-wrap; overflow-wrap: anywhere; font-size: 17px; }}
 table {{ border-collapse: collapse; margin: 10px 0; font-size: 21px; }}
 th, td {{ border-bottom: 1px solid #cfd6df; padding: 5px 14px; text-align: left; vertical-align: top; }}
 th {{ background: #e8eef5; }}

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from dslab import lora, models
 
 TARGETS_QV = ["q_proj", "v_proj"]
+WITH_HEAD = lora.DEFAULT_TARGETS + ("lm_head",)  # the hardest case: the output head is tied to the embeddings
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def base_dir(tmp_path_factory):
     return out
 
 
-def _trained_adapter(base_dir, targets=lora.DEFAULT_TARGETS, seed=1):
+def _trained_adapter(base_dir, targets=WITH_HEAD, seed=1):
     """The base with LoRA attached and B made non-zero (as if trained), so the adapter changes the output."""
     model = lora.attach_lora(models.load_model(base_dir), r=4, alpha=8, target_modules=targets)
     gen = torch.Generator().manual_seed(seed)
@@ -233,3 +234,13 @@ def test_infer_cli_applies_an_adapter_and_refuses_a_bad_one(base_dir, tmp_path):
     assert json.loads(out.stdout)[0]["completion"] == expected
     bad = subprocess.run(cmd + ["--adapter", str(base_dir)], capture_output=True, text=True)
     assert bad.returncode != 0 and "is a full model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_adapter_without_the_head_keeps_the_merged_model_tied(base_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lora.save_adapter(_trained_adapter(base_dir, targets=lora.DEFAULT_TARGETS), tmp_path / "adapter")
+    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert report["max_abs_diff"] <= 1e-4
+    assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
