@@ -37,7 +37,7 @@ test-notebooks: setup
 
 # Debian's chromium for the headless browser tests (slides, ZeRO widget); nothing is downloaded by a test tool.
 chromium:
-	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-noto-cjk >/dev/null)
 
 slides: setup
 	$(BIN)/python -m dslab.slides build

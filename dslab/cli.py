@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "dslab.memory",
     "dslab.sft",
     "dslab.lora",
+    "dslab.slides",
 ]
 
 

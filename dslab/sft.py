@@ -17,7 +17,7 @@ STATE_FILE = "dslab_state.json"  # written into each checkpoint: step, world siz
 # Every option of dslab/recipes/sft.py with its default. `dslab sft` passes only the ones that differ, so
 # the deepspeed command it prints stays short enough to read (and to copy to a cluster).
 RECIPE_DEFAULTS = dict(
-    model=None, data=None, output=None, zero_stage=2, full=False, epochs=8, lr=None, micro_batch_size=8,
+    model=None, data=None, output=None, zero_stage=2, full=False, epochs=10, lr=None, micro_batch_size=8,
     grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=list(DEFAULT_TARGETS), model_name=list(DEFAULT_NAME),
     model_author=list(DEFAULT_AUTHOR), mix_general=None, max_length=256, gradient_checkpointing=False,
     deepspeed_config=None, save_every=0, checkpoint_dir=None, resume=None, seed=0, log_every=None, progress_file=None)
@@ -114,7 +114,7 @@ def total_steps(n_examples, world_size, micro_batch_size, grad_accum_steps, epoc
 
 def default_lr(full):
     """Peak learning rate: LoRA's small fresh matrices take a larger step than a whole pretrained model."""
-    return 2e-4 if full else 2e-3
+    return 3e-4 if full else 4e-3
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def _progress_bar(path, steps, stop):
     bar.close()
 
 
-def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=8, lr=None,
+def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=10, lr=None,
         micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=DEFAULT_TARGETS,
         model_name=DEFAULT_NAME, model_author=DEFAULT_AUTHOR, mix_general=None, max_length=256,
         gradient_checkpointing=False, deepspeed=None, save_every=0, checkpoint_dir=None, resume=None, seed=0,
@@ -403,9 +403,9 @@ def add_commands(subparsers):
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank r (default 16)")
     p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha; the update is scaled by alpha/r")
     p.add_argument("--target-modules", nargs="+", default=None,
-                   help="layers that get adapters (default: all linear layers and lm_head)")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 LoRA, 2e-4 full)")
+                   help="layers that get adapters (default: every linear layer of the blocks)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 4e-3 LoRA, 3e-4 full)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="examples per rank per micro-step")
     p.add_argument("--grad-accum-steps", type=int, default=1)
     p.add_argument("--model-name", nargs="+", default=list(DEFAULT_NAME), help="name for {name}: one, or zh then en")
