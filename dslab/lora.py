@@ -97,7 +97,7 @@ def check_adapter_state(state_dict, where="adapter"):
     if not state_dict:
         raise AdapterError(f"{where} holds no tensors at all: nothing was trained or saved. "
                            "Check target_modules and that the adapter was saved after training.")
-    empty = [k for k, v in state_dict.items() if v.numel() == 0]
+    empty = sorted(k for k, v in state_dict.items() if v.numel() == 0)  # sorted: the same example every time
     if empty:
         raise AdapterError(
             f"{where} has {len(empty)} size-0 tensors (e.g. {empty[0]!r} with shape {tuple(state_dict[empty[0]].shape)}). "
@@ -189,6 +189,17 @@ def check_writable(directory):
     except OSError as exc:
         raise PermissionError(f"cannot write under {str(parent)!r} ({exc.strerror}); "
                               "choose an --output directory you can write to") from None
+
+
+def check_free_space(directory, needed_bytes, option="--output"):
+    """Raise OSError (with the fix) unless the file system that will hold `directory` has `needed_bytes` free."""
+    parent = Path(directory).resolve()
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if free < needed_bytes:
+        raise OSError(f"{option} {str(directory)!r}: only {free / 2**20:,.1f} MiB free on that disk, about "
+                      f"{needed_bytes / 2**20:,.1f} MiB needed; free some space or choose {option} on another disk")
 
 
 def _zero3_params(model):
@@ -316,32 +327,23 @@ def max_logit_diff(model_a, model_b, input_ids):
         return (model_a(input_ids=input_ids).logits - model_b(input_ids=input_ids).logits).abs().max().item()
 
 
-def checkpoint_dtype(model=None):
-    """The dtype a checkpoint was saved in (its config.json), e.g. torch.bfloat16 for dslab-tiny."""
-    import torch
-    from transformers import AutoConfig
-
-    from dslab import models
-
-    config = AutoConfig.from_pretrained(models.resolve_model(model))
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
 def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=None, verbose=True):
     """Merge a LoRA adapter into its base model and save a plain HF model, verified before it is written.
 
     Checks, in order: the adapter is real (no size-0 or foreign tensors); in float32, the merged model's
-    logits equal base+adapter logits within `tolerance`; saved in `dtype` (default: the base checkpoint's)
-    and read back with plain transformers, it has exactly the weights that were saved (and, in float32,
-    the same logits). Only then is the temp directory renamed to `output_dir`. Returns what was checked.
+    logits equal base+adapter logits within `tolerance`; saved in `dtype` and read back with plain
+    transformers, it has exactly the weights that were saved (and, in float32, the same logits). Only then
+    is the temp directory renamed to `output_dir`. Returns what was checked.
+
+    dtype: float32 by default, which keeps the merge exact. bfloat16 halves the file but rounds W + dW to
+    8 significant bits: a small LoRA update dW can largely vanish into W's rounding (chapter 06 measures it).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     say = print if verbose else (lambda *a, **k: None)
     check_writable(output_dir)
-    dtype = dtype or checkpoint_dtype(model)
+    dtype = dtype or torch.float32
     with_adapter, tokenizer = load_with_adapter(model, adapter_dir)  # float32: the check sees merge error only
     ids = probe_ids(with_adapter.get_base_model().config.vocab_size)
     with torch.no_grad():
@@ -373,6 +375,74 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
             "output": str(output_dir)}
 
 
+@contextlib.contextmanager
+def _silenced():
+    # DeepSpeed's first init_distributed in a process probes which C++ ops build: a failed `-laio` link test
+    # and "... built successfully" lines, written by child processes to file descriptors 1 and 2.
+    import io
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def in_process_engine(model, zero_stage=3, **config):
+    """A DeepSpeed engine for `model` in this very process (rank 0 of a world of 1), for demonstrations."""
+    import deepspeed
+
+    from dslab.config import make_config
+    from dslab.train import init_single_process
+
+    with _silenced():
+        init_single_process()
+    # ZeRO-3's memory_efficient_linear replaces torch.nn.functional.linear for the whole process, "until
+    # manually reset" (DeepSpeed's words): in a notebook kernel that would change every later computation.
+    zero = {"memory_efficient_linear": False} if zero_stage == 3 else {}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=make_config(
+        zero_stage=zero_stage, world_size=1, **{**config, "zero_optimization": {**zero, **config.get("zero_optimization", {})}}))
+    return engine
+
+
+def merge_precision_table(std=0.02, seed=0):
+    """Chapter 06's merge checks as table rows (for the slides): an adapter on every block layer and the tied
+    `lm_head`, its B matrices drawn from N(0, std) to stand in for training, merged three ways; each row is the
+    largest |logit difference| to base + adapter."""
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+
+    from dslab import models
+
+    torch.manual_seed(seed)
+    adapted = attach_lora(models.load_model(), target_modules=DEFAULT_TARGETS + ("lm_head",))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_adapter(adapted, f"{tmp}/adapter")
+        for dtype in (torch.float32, torch.bfloat16):
+            report = merge(None, f"{tmp}/adapter", f"{tmp}/merged-{dtype}", dtype=dtype, verbose=False)
+            rows.append({"merge": f"dslab merge, saved in {report['saved_dtype']}", "max |logit diff|": report["dtype_rounding"]})
+        naive = PeftModel.from_pretrained(models.load_model(), f"{tmp}/adapter").merge_and_unload()  # head still tied
+        ids = probe_ids(naive.config.vocab_size)
+        rows.append({"merge": "merge_and_unload into the tied head", "max |logit diff|": max_logit_diff(naive, adapted, ids)})
+    return rows
+
+
 def dir_size(path):
     """Total bytes of the files in a directory tree."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
@@ -388,8 +458,7 @@ def _cli_merge(args):
     try:
         import torch
 
-        merge(args.model, args.adapter, args.output, tolerance=args.tolerance,
-              dtype=getattr(torch, args.dtype) if args.dtype else None)
+        merge(args.model, args.adapter, args.output, tolerance=args.tolerance, dtype=getattr(torch, args.dtype))
     except (AdapterError, MergeError, PermissionError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -403,8 +472,8 @@ def add_commands(subparsers):
     p.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + weights)")
     p.add_argument("--output", required=True, help="where the merged HF model is written")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="dtype of the saved model (default: the base checkpoint's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the saved model (default float32: exact; bfloat16 rounds small LoRA updates away)")
     p.set_defaults(func=_cli_merge)
 
 

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ STATE_FILE = "dslab_state.json"  # written into each checkpoint: step, world siz
 # Every option of dslab/recipes/sft.py with its default. `dslab sft` passes only the ones that differ, so
 # the deepspeed command it prints stays short enough to read (and to copy to a cluster).
 RECIPE_DEFAULTS = dict(
-    model=None, data=None, output=None, zero_stage=2, full=False, epochs=10, lr=None, micro_batch_size=8,
+    model=None, data=None, output=None, zero_stage=2, full=False, epochs=12, lr=None, micro_batch_size=8,
     grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=list(DEFAULT_TARGETS), model_name=list(DEFAULT_NAME),
     model_author=list(DEFAULT_AUTHOR), mix_general=None, max_length=256, gradient_checkpointing=False,
     deepspeed_config=None, save_every=0, checkpoint_dir=None, resume=None, seed=0, log_every=None, progress_file=None)
@@ -114,7 +115,7 @@ def total_steps(n_examples, world_size, micro_batch_size, grad_accum_steps, epoc
 
 def default_lr(full):
     """Peak learning rate: LoRA's small fresh matrices take a larger step than a whole pretrained model."""
-    return 3e-4 if full else 4e-3
+    return 3e-4 if full else 2e-3
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,7 +162,8 @@ def save_checkpoint(engine, directory, step, world_size, zero_stage):
     engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False, exclude_frozen_parameters=True)
     tdist.barrier()  # every rank has written its shard
     if tdist.get_rank() == 0:
-        state = {"step": step, "world_size": world_size, "zero_stage": zero_stage}
+        state = {"step": step, "world_size": world_size, "zero_stage": zero_stage,
+                 "global_batch": engine.train_batch_size()}  # ranks x micro-batch x accumulation
         (directory / tmp_tag / STATE_FILE).write_text(json.dumps(state))
         shutil.rmtree(directory / tag, ignore_errors=True)
         os.replace(directory / tmp_tag, directory / tag)
@@ -182,14 +184,56 @@ def latest_checkpoint(directory):
 
 
 def resume(engine, directory, world_size, zero_stage):
-    """Load the newest checkpoint into the engine; returns the step it was taken at."""
+    """Load the newest checkpoint into the engine; returns the step it was taken at.
+
+    Written by another number of ranks, it is read from the universal copy `check_resume` made before launch
+    (the engine must then have been built with `"checkpoint": {"load_universal": true}`).
+    """
     tag_dir, state = latest_checkpoint(directory)
-    if state["world_size"] != world_size or state["zero_stage"] != zero_stage:
-        raise SFTError(f"checkpoint {tag_dir} was written by {state['world_size']} ranks with ZeRO-{state['zero_stage']}; "
-                       f"resume with --world-size {state['world_size']} --zero {state['zero_stage']} "
-                       "(ZeRO shards optimizer state by rank)")
-    engine.load_checkpoint(str(directory), tag=tag_dir.name, load_module_strict=False)
+    if state["zero_stage"] != zero_stage:
+        raise SFTError(f"checkpoint {tag_dir} was written with ZeRO-{state['zero_stage']}; resume with --zero {state['zero_stage']}")
+    tag = tag_dir.name if state["world_size"] == world_size else tag_dir.name + UNIVERSAL_SUFFIX
+    engine.load_checkpoint(str(directory), tag=tag, load_module_strict=False)
     return state["step"]
+
+
+UNIVERSAL_SUFFIX = "_universal"
+
+
+def check_resume(directory, world_size, zero_stage, global_batch):
+    """Before launch: is the newest checkpoint in `directory` resumable with this setup? Returns True when it
+    was written by another number of ranks, after making its universal copy (once).
+
+    The same world size reloads the ZeRO shards as they are and continues exactly. Another world size needs
+    each parameter's fp32 weights and Adam moments re-cut into new shards: DeepSpeed's universal checkpoint
+    (deepspeed.checkpoint.ds_to_universal). Two limits: the global batch (ranks x micro-batch x accumulation)
+    must stay the same, so a step means the same number of examples and the learning-rate schedule still fits;
+    and each rank's slice of the data changes, so the losses follow the same trend, not the same values.
+    """
+    tag_dir, state = latest_checkpoint(directory)
+    if state["zero_stage"] != zero_stage:
+        raise SFTError(f"--resume {directory}: written with ZeRO-{state['zero_stage']}; resume with --zero {state['zero_stage']}")
+    if state["world_size"] == world_size:
+        return False
+    if zero_stage == 0:
+        raise SFTError(f"--resume {directory}: written by {state['world_size']} ranks with ZeRO-0, asked for {world_size}; "
+                       f"resume with --world-size {state['world_size']} (a different world size needs a ZeRO 1-3 checkpoint)")
+    if global_batch != state["global_batch"]:
+        per_rank = state["global_batch"] / world_size
+        raise SFTError(f"--resume {directory}: the checkpoint's global batch is {state['global_batch']} examples per step, "
+                       f"this run's is {global_batch}; keep it when changing the world size: with --world-size {world_size}, "
+                       f"choose --micro-batch-size x --grad-accum-steps = {per_rank:g}")
+    universal = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+    if not universal.exists():
+        tmp = tag_dir.with_name(f".{universal.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+                               "--output_folder", str(tmp), "--inject_missing_state"], capture_output=True, text=True)
+        if done.returncode:
+            raise SFTError(f"converting {tag_dir} to a universal checkpoint failed:\n{done.stderr[-2000:]}")
+        shutil.copy(tag_dir / STATE_FILE, tmp / STATE_FILE)
+        os.replace(tmp, universal)  # complete or absent, like the checkpoints themselves
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,9 +273,14 @@ def checkpointing_cost(model, batch, repeats=3):
     """
     import torch
 
-    layers = [m for n, m in model.named_modules() if n.endswith(tuple(f"layers.{i}" for i in range(1000)))]
+    import re
+
+    # Count each decoder layer's MLP: it runs inside the layer's forward, also when checkpointing recomputes
+    # it (a hook on the layer itself sees only the outer call in transformers' checkpointing wrapper).
+    layers = [m for n, m in model.named_modules() if re.search(r"layers\.\d+$", n)]
     calls = [0]
-    hooks = [layer.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1)) for layer in layers]
+    hooks = [getattr(layer, "mlp", layer).register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+             for layer in layers]
     try:
         nbytes = activation_bytes(model, batch)
         calls[0] = 0
@@ -256,6 +305,40 @@ def model_states(engine):
         return None
     measured = memory.measure_engine(engine)
     return {part: measured[part] for part in ("params", "grads", "optimizer", "buffers")}
+
+
+def checkpointing_table(micro_batch_size=8):
+    """Chapter 05's gradient-checkpointing measurement as table rows (for the slides): dslab-tiny with the default
+    LoRA, one micro-batch of the SFT data, with and without checkpointing."""
+    from dslab import lora, models
+
+    tokenizer = models.load_tokenizer()
+    batch = next(rank_batches(tokenize(tokenizer, load_chats()), 0, 1, micro_batch_size, tokenizer.pad_token_id))
+    model = lora.attach_lora(models.load_model()).train()
+    rows = []
+    for setup in ("plain", "gradient checkpointing"):
+        if setup != "plain":
+            lora.enable_gradient_checkpointing(model)
+        cost = checkpointing_cost(model, batch, repeats=1)
+        rows.append({"setup": setup, "activations kept (MiB)": round(cost["activation_bytes"] / 2 ** 20, 2),
+                     "decoder-layer forwards per step": cost["layer_forwards"]})
+    return rows
+
+
+def lora_vs_full_states(world_size=2, zero_stage=2):
+    """Model-state bytes per rank, LoRA vs full fine-tune of dslab-tiny (the formulas chapter 05 checks against
+    the ranks' measurements): every weight stays in bf16, gradients and Adam states exist only for trainable ones."""
+    from dslab import lora, memory, models
+
+    counts = lora.count_parameters(lora.attach_lora(models.load_model()))
+    rows = []
+    for setup, trainable, weights in (("full fine-tune", counts["frozen"], counts["frozen"]),
+                                      ("LoRA r=16", counts["trainable"], counts["total"])):
+        states = memory.theory(trainable, world_size=world_size, zero_stage=zero_stage)
+        rows.append({"setup": setup, "trainable": trainable, "weights (MiB)": round(2 * weights / 2 ** 20, 2),
+                     "gradients (MiB)": round(states["grads"] / 2 ** 20, 2),
+                     "optimizer states (MiB)": round(states["optimizer"] / 2 ** 20, 2)})
+    return rows
 
 
 def text_perplexity(model, tokenizer, n_blocks=16, seq_len=256):
@@ -296,7 +379,7 @@ def _progress_bar(path, steps, stop):
     bar.close()
 
 
-def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=10, lr=None,
+def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=12, lr=None,
         micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=DEFAULT_TARGETS,
         model_name=DEFAULT_NAME, model_author=DEFAULT_AUTHOR, mix_general=None, max_length=256,
         gradient_checkpointing=False, deepspeed=None, save_every=0, checkpoint_dir=None, resume=None, seed=0,
@@ -307,7 +390,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
     file, a checkpoint from another world size) raises here, before any rank starts.
     progress: total steps, to draw a tqdm bar in this process (False: none).
     """
-    from dslab import launch, lora
+    from dslab import launch, lora, models
 
     files = None
     if data is not None:
@@ -318,14 +401,16 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
         load_chats(files, model_name, model_author, mix_general, seed)
     lora.check_writable(output)  # before minutes of training, not after
+    # A full model is about the base's weight files; an adapter is smaller. A checkpoint holds fp32 master
+    # weights and two Adam moments of what trains: up to 7x the bf16 weight files for a full fine-tune.
+    weights = sum(f.stat().st_size for f in Path(models.resolve_model(model)).glob("*.safetensors"))
+    lora.check_free_space(output, weights)
     if save_every:
         checkpoint_dir = checkpoint_dir or f"{str(output).rstrip('/')}-checkpoints"
         lora.check_writable(checkpoint_dir)
-    if resume:
-        _, state = latest_checkpoint(resume)  # fails now if there is nothing to resume
-        if state["world_size"] != world_size:
-            raise SFTError(f"--resume {resume}: written by {state['world_size']} ranks, asked for {world_size}; "
-                           f"resume with --world-size {state['world_size']}")
+        lora.check_free_space(checkpoint_dir, weights * (7 if full else 1), "--checkpoint-dir")
+    if resume:  # fails now if there is nothing to resume; another world size: converted here, once
+        check_resume(resume, world_size, zero_stage, world_size * micro_batch_size * grad_accum_steps)
     if deepspeed:
         read_deepspeed_file(deepspeed, world_size)  # ConfigError naming each problem and its fix
     options = dict(model=model, data=files, output=str(output), zero_stage=zero_stage, full=full, epochs=epochs, lr=lr,
@@ -352,6 +437,43 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
     return result.rank0
 
 
+def kill_job_at_checkpoint(step, output, **options):
+    """`run(output, **options)` (with save_every set), SIGKILLed as a whole as soon as its checkpoint of `step` is
+    complete: the launcher and every rank at once, as the OOM killer or a lost node would. For the chapter that
+    resumes it; returns the LaunchError the launcher raised and the number of processes killed."""
+    import psutil
+
+    from dslab import launch
+
+    latest = Path(options.get("checkpoint_dir") or f"{str(output).rstrip('/')}-checkpoints") / "latest"
+    outcome = {}
+
+    def job():
+        try:
+            outcome["result"] = run(output, **options)
+        except launch.LaunchError as exc:
+            outcome["error"] = exc
+
+    def reached():  # written by this run (not left by an earlier one) and naming that step
+        return latest.exists() and latest.stat().st_mtime >= started and latest.read_text().strip() == f"step{step}"
+
+    started = time.time()
+    thread = threading.Thread(target=job)
+    thread.start()
+    while thread.is_alive() and not reached():
+        time.sleep(0.02)
+    victims = []
+    for proc in psutil.process_iter(["cmdline"]):  # every process of this job has `--output OUTPUT` on its command line
+        if str(output) in (proc.info["cmdline"] or []):
+            victims.append(proc)
+    for proc in victims:
+        proc.kill()
+    thread.join()
+    if "error" not in outcome:
+        raise SFTError(f"the run ended before its step-{step} checkpoint could be interrupted")
+    return outcome["error"], len(victims)
+
+
 def _listed(value):
     return [value] if isinstance(value, str) else list(value)
 
@@ -368,9 +490,8 @@ def _cli_sft(args):
                      model_name=args.model_name, model_author=args.model_author, mix_general=args.mix_general,
                      full=args.full, gradient_checkpointing=args.gradient_checkpointing, deepspeed=args.deepspeed,
                      save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                     seed=args.seed, progress=_expected_steps(args) if sys.stderr.isatty() else False, timeout=args.timeout)
-    except (SFTError, data.DataError, config.ConfigError, launch.LaunchError, PermissionError, NotADirectoryError,
-            lora.AdapterError) as exc:
+                     seed=args.seed, log_every=args.log_every, progress=_expected_steps(args) if sys.stderr.isatty() else False, timeout=args.timeout)
+    except (SFTError, data.DataError, config.ConfigError, launch.LaunchError, lora.AdapterError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     kind = "model" if args.full else "adapter"
@@ -404,8 +525,8 @@ def add_commands(subparsers):
     p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha; the update is scaled by alpha/r")
     p.add_argument("--target-modules", nargs="+", default=None,
                    help="layers that get adapters (default: every linear layer of the blocks)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 4e-3 LoRA, 3e-4 full)")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 LoRA, 3e-4 full)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="examples per rank per micro-step")
     p.add_argument("--grad-accum-steps", type=int, default=1)
     p.add_argument("--model-name", nargs="+", default=list(DEFAULT_NAME), help="name for {name}: one, or zh then en")
@@ -417,8 +538,10 @@ def add_commands(subparsers):
     p.add_argument("--deepspeed", default=None, help="a ready DeepSpeed JSON config instead of the built one")
     p.add_argument("--save-every", type=int, default=0, help="write a resumable checkpoint every K steps")
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default OUTPUT-checkpoints)")
-    p.add_argument("--resume", default=None, help="a checkpoint directory to continue from (its newest checkpoint)")
+    p.add_argument("--resume", default=None, help="a checkpoint directory to continue from (its newest checkpoint); "
+                   "another --world-size works with ZeRO 1-3 if the global batch stays the same")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=None, help="print the loss every K steps (default: 8 lines in all)")
     p.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
     p.set_defaults(func=_cli_sft)
 

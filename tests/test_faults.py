@@ -101,6 +101,25 @@ def test_unwritable_checkpoint_dir_fails_before_any_rank_starts(tmp_path, monkey
     assert not (tmp_path / "runs").exists() and not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.parametrize("full, save_every, option", [(False, 0, "--output"), (True, 10, "--checkpoint-dir")])
+def test_a_nearly_full_disk_fails_before_any_rank_starts(tmp_path, monkeypatch, full, save_every, option):
+    """The disk has room for the output but not for the checkpoints of a full fine-tune (7x the weight files:
+    fp32 master weights and two Adam moments), or not even for the output: refused, saying how much is needed."""
+    import shutil
+
+    from dslab import lora, models, sft
+
+    weights = (Path(models.resolve_model()) / "model.safetensors").stat().st_size
+    free = 3 * weights if full else weights // 2
+    monkeypatch.setattr(lora.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * weights, 10 * weights - free, free))
+    monkeypatch.chdir(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(OSError, match=f"{option} .*MiB free on that disk, about .*MiB needed; free some space"):
+        sft.run(output=str(tmp_path / "out"), full=full, save_every=save_every)
+    assert time.monotonic() - start < 10
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- Ctrl-C during training
 
 def _tree_digest(folder):
@@ -143,3 +162,58 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     assert (latest / sft.STATE_FILE).exists()  # `latest` names a complete checkpoint
     assert not output.exists()  # no half-written adapter
     sft.latest_checkpoint(checkpoints)  # resumable
+
+
+# --------------------------------------------------------------------------- kill -9 of the whole job, then --resume
+
+def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_path, monkeypatch):
+    """The job dies at once (every process SIGKILLed: an OOM kill, a lost node), then `--resume` picks up at the
+    last complete checkpoint: at most --save-every steps are lost and the losses from there on are exactly those
+    of a run that was never interrupted (same data order, optimizer moments and learning-rate schedule)."""
+    from dslab import sft
+
+    monkeypatch.chdir(tmp_path)
+    rows = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")[:8]
+    identity = tmp_path / "identity.jsonl"
+    identity.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    save_every, epochs = 4, 40  # 8 chats / 2 ranks / 2 per micro-batch = 2 steps per epoch: 80 steps
+    common = dict(data=str(identity), mix_general=0, epochs=epochs, micro_batch_size=2, lora_r=4, lora_alpha=8,
+                  model_name="Whale", model_author="DSLab")
+    reference = sft.run(output=tmp_path / "reference", stream=False, timeout=600, **common)
+    assert len(reference["loss_log"]) == reference["steps"] == 2 * epochs
+
+    output, checkpoints = tmp_path / "adapter", tmp_path / "checkpoints"
+    proc = _sft_cli("--output", str(output), "--data", str(identity), "--mix-general", "0", "--epochs", str(epochs),
+                    "--micro-batch-size", "2", "--lora-r", "4", "--lora-alpha", "8", "--model-name", "Whale",
+                    "--model-author", "DSLab", "--save-every", str(save_every), "--checkpoint-dir", str(checkpoints),
+                    "--log-every", "1", cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not (checkpoints / "latest").exists():
+            assert proc.poll() is None, f"dslab sft ended early: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a few more steps, maybe into the middle of the next checkpoint write
+        assert proc.poll() is None, "training ended before it could be killed; raise epochs"
+        # kill -9 of the whole job at once: `dslab sft`, the deepspeed launcher and both ranks
+        for victim in [psutil.Process(proc.pid), *_processes_mentioning(str(output))]:
+            try:
+                victim.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(1.0)
+    _assert_no_strays(str(output))
+    assert not output.exists()  # no adapter that looks finished
+    last_logged = max(int(line.split("step")[1].split("/")[0]) for line in out.splitlines() if "] step " in line)
+
+    tag_dir, state = sft.latest_checkpoint(checkpoints)  # `latest` names a complete checkpoint
+    assert state["step"] % save_every == 0 and last_logged - state["step"] <= save_every  # steps lost
+    resumed = sft.run(output=output, resume=str(checkpoints), stream=False, timeout=600, **common)
+    assert resumed["start_step"] == state["step"]
+    assert [e["step"] for e in resumed["loss_log"]] == list(range(state["step"] + 1, 2 * epochs + 1))
+    assert [e["loss"] for e in resumed["loss_log"]] == [e["loss"] for e in reference["loss_log"][state["step"]:]]

@@ -78,12 +78,20 @@ def test_bad_deepspeed_file_is_refused_before_launch(tmp_path, monkeypatch):
     _refused_quickly(tmp_path, monkeypatch, config.ConfigError, "zero_optimization", deepspeed=str(bad))
 
 
-def test_resume_needs_a_checkpoint_from_the_same_world_size(tmp_path, monkeypatch):
+def test_resume_on_another_world_size_needs_the_same_global_batch_and_zero(tmp_path, monkeypatch):
     _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "no complete checkpoint", resume=str(tmp_path))
     (tmp_path / "step4").mkdir()
-    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 4, "zero_stage": 2}))
+    state = {"step": 4, "world_size": 4, "zero_stage": 2, "global_batch": 32}
+    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps(state))
     (tmp_path / "latest").write_text("step4")
-    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "--world-size 4", resume=str(tmp_path), world_size=2)
+    # 2 ranks x 8 x 1 = 16 examples per step, not 32: the fix names the product to choose
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, r"global batch is 32.*--grad-accum-steps = 16",
+                     resume=str(tmp_path), world_size=2)
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "resume with --zero 2", resume=str(tmp_path), zero_stage=3)
+    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps({**state, "zero_stage": 0}))
+    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "resume with --world-size 4", resume=str(tmp_path),
+                     zero_stage=0, world_size=2, grad_accum_steps=2)
+    assert not (tmp_path / "step4_universal").exists()
 
 
 def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(base_dir, identity_file, tmp_path,
@@ -118,3 +126,18 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     assert [e["loss"] for e in second["loss_log"]] == [e["loss"] for e in first["loss_log"][2:]]
     resumed = load_file(str(tmp_path / "resumed" / lora.ADAPTER_WEIGHTS))
     assert all(torch.equal(resumed[k], state[k]) for k in state)
+
+    # The same checkpoint on ONE rank (global batch kept: 1 x 4 x 2 = 2 x 4 x 1): DeepSpeed's universal
+    # checkpoint re-cuts the ZeRO-3 shards. Asked for 2 steps in all, it has none left to train, so the adapter it
+    # saves is exactly what it loaded: the fp32 master weights of step 2, rounded to the model's bf16.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    one = sft.run(output=tmp_path / "one-rank", resume=str(ckpt), **{**common, "world_size": 1, "grad_accum_steps": 2,
+                                                                      "epochs": 1})
+    assert one["start_step"] == 2 and one["loss_log"] == [] and (ckpt / "step2_universal" / sft.STATE_FILE).exists()
+    master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="step2", exclude_frozen_parameters=True)
+    loaded = load_file(str(tmp_path / "one-rank" / lora.ADAPTER_WEIGHTS))
+    assert loaded.keys() == {k.replace(".default", "") for k in master}
+    assert all(torch.equal(loaded[k.replace(".default", "")], v.to(loaded[k.replace(".default", "")].dtype))
+               for k, v in master.items())
+    assert not any(torch.equal(loaded[k], state[k]) for k in state if "lora_B" in k)  # step 2, not step 4

@@ -17,13 +17,16 @@ if args.gradient_checkpointing:
     lora.enable_gradient_checkpointing(model)
 chats = sft.load_chats(args.data, args.model_name, args.model_author, args.mix_general, args.seed)
 examples = sft.tokenize(tokenizer, chats, args.max_length)
-lr = args.lr or sft.default_lr(args.full)
+steps = sft.total_steps(len(examples), world_size, args.micro_batch_size, args.grad_accum_steps, args.epochs)
 config = (sft.read_deepspeed_file(args.deepspeed_config, world_size) if args.deepspeed_config else
-          sft.deepspeed_config(args.zero_stage, world_size, args.micro_batch_size, args.grad_accum_steps, lr,
-                               sft.total_steps(len(examples), world_size, args.micro_batch_size, args.grad_accum_steps, args.epochs)))
-engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad])
+          sft.deepspeed_config(args.zero_stage, world_size, args.micro_batch_size, args.grad_accum_steps,
+                               args.lr or sft.default_lr(args.full), steps))
+if args.resume and sft.latest_checkpoint(args.resume)[1]["world_size"] != world_size:
+    config["checkpoint"] = {"load_universal": True}  # saved by another number of ranks: see sft.check_resume
+trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: A and B only; the optimizer sees nothing else
+engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
 zero_stage, micro, accum = engine.zero_optimization_stage(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-steps = sft.total_steps(len(examples), world_size, micro, accum, args.epochs)
+steps = sft.total_steps(len(examples), world_size, micro, accum, args.epochs)  # a --deepspeed file may set other sizes
 start = sft.resume(engine, args.resume, world_size, zero_stage) if args.resume else 0
 batches = sft.rank_batches(examples, rank, world_size, micro, tokenizer.pad_token_id, args.seed, skip=start * accum)
 probe = next(sft.rank_batches(examples, 0, 1, micro, tokenizer.pad_token_id, args.seed))  # one batch, same on every rank
