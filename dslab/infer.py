@@ -107,13 +107,18 @@ def _cmd_infer(args):
     model, tokenizer = load_for_inference(args)
     completions = generate(model, tokenizer, prompts, args.max_new_tokens, chat=args.chat,
                            temperature=args.temperature, system=args.system)
+    print_completions(prompts, completions, args.json)
+    return 0
+
+
+def print_completions(prompts, completions, as_json):
+    """What `dslab infer` prints: a JSON list of {"prompt", "completion"}, or each prompt and its answer."""
     results = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
-    if args.json:
+    if as_json:
         print(json.dumps(results, ensure_ascii=False, indent=1))
     else:
         for r in results:
             print(f">>> {r['prompt']}\n{r['completion']}\n")
-    return 0
 
 
 def add_arguments(p):

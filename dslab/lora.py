@@ -375,27 +375,6 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
             "output": str(output_dir)}
 
 
-@contextlib.contextmanager
-def _silenced():
-    # DeepSpeed's first init_distributed in a process probes which C++ ops build: a failed `-laio` link test
-    # and "... built successfully" lines, written by child processes to file descriptors 1 and 2.
-    import io
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
-
-
 def in_process_engine(model, zero_stage=3, **config):
     """A DeepSpeed engine for `model` in this very process (rank 0 of a world of 1), for demonstrations."""
     import deepspeed
@@ -403,8 +382,7 @@ def in_process_engine(model, zero_stage=3, **config):
     from dslab.config import make_config
     from dslab.train import init_single_process
 
-    with _silenced():
-        init_single_process()
+    init_single_process(quiet=True)
     # ZeRO-3's memory_efficient_linear replaces torch.nn.functional.linear for the whole process, "until
     # manually reset" (DeepSpeed's words): in a notebook kernel that would change every later computation.
     zero = {"memory_efficient_linear": False} if zero_stage == 3 else {}

@@ -1,9 +1,6 @@
 """Floating-point formats and mixed precision: dtype tables, rounding fates, loss-scale traces, bf16 speed."""
 import contextlib
-import io
 import math
-import os
-import sys
 import time
 
 FORMATS = ("fp32", "fp16", "bf16")
@@ -214,33 +211,10 @@ def check_scaler_trace(trace, growth_interval, backoff=0.5, growth=2.0):
 
 # --------------------------------------------------------------------------- dynamic loss scaling (DeepSpeed)
 
-@contextlib.contextmanager
-def _silenced():
-    """Discard what the block prints, Python's and child processes' alike (file descriptors 1 and 2).
-
-    The first deepspeed.init_distributed probes which C++ ops can build (a failed `-laio` link test on
-    machines without libaio) and prints "... built successfully": noise that differs between machines.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
-
-
 def _single_process_group():
     """Make this process rank 0 of 1 (DeepSpeed's scaler and engine ask deepspeed.comm for the rank)."""
     from dslab.train import init_single_process
-    with _silenced():
-        init_single_process()
+    init_single_process(quiet=True)
 
 
 def deepspeed_scaler(**fp16):

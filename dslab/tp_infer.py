@@ -277,12 +277,7 @@ def _cli(args, fallback):
     except (TPInferenceError, launch.LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, TPInferenceError) else 1
-    results = [{"prompt": p, "completion": c} for p, c in zip(result["prompts"], result["completions"])]
-    if args.json:
-        print(json.dumps(results, ensure_ascii=False, indent=1))
-    else:
-        for r in results:
-            print(f">>> {r['prompt']}\n{r['completion']}\n")
+    infer.print_completions(result["prompts"], result["completions"], args.json)
     return 0
 
 

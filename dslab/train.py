@@ -1,4 +1,6 @@
 """The training loop on a DeepSpeed engine, shared by pretraining (`dslab build-base`) and fine-tuning."""
+import contextlib
+import io
 import os
 import socket
 import sys
@@ -12,8 +14,33 @@ def free_port():
         return s.getsockname()[1]
 
 
-def init_single_process():
-    """Make this process rank 0 of a world of 1, so deepspeed.initialize works in a notebook kernel or CLI."""
+@contextlib.contextmanager
+def silenced():
+    """Discard what the block prints, Python's and child processes' alike (file descriptors 1 and 2).
+
+    The first deepspeed.init_distributed probes which C++ ops can build (a failed `-laio` link test on
+    machines without libaio) and prints "... built successfully": noise that differs between machines.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def init_single_process(quiet=False):
+    """Make this process rank 0 of a world of 1, so deepspeed.initialize works in a notebook kernel or CLI.
+
+    quiet: discard the C++ op probe's output (see `silenced`).
+    """
     import torch.distributed as tdist
     from dslab import dist
     if tdist.is_available() and tdist.is_initialized():
@@ -22,7 +49,8 @@ def init_single_process():
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
-    dist.init()
+    with silenced() if quiet else contextlib.nullcontext():
+        dist.init()
 
 
 def default_progress():
