@@ -219,10 +219,11 @@ def check_resume(directory, world_size, zero_stage, global_batch):
         raise SFTError(f"--resume {directory}: written by {state['world_size']} ranks with ZeRO-0, asked for {world_size}; "
                        f"resume with --world-size {state['world_size']} (a different world size needs a ZeRO 1-3 checkpoint)")
     if global_batch != state["global_batch"]:
-        per_rank = state["global_batch"] / world_size
-        raise SFTError(f"--resume {directory}: the checkpoint's global batch is {state['global_batch']} examples per step, "
-                       f"this run's is {global_batch}; keep it when changing the world size: with --world-size {world_size}, "
-                       f"choose --micro-batch-size x --grad-accum-steps = {per_rank:g}")
+        wanted = state["global_batch"]
+        fix = (f"with --world-size {world_size}, choose --micro-batch-size x --grad-accum-steps = {wanted // world_size}"
+               if wanted % world_size == 0 else f"choose a --world-size that divides {wanted}")
+        raise SFTError(f"--resume {directory}: the checkpoint's global batch is {wanted} examples per step, this run's "
+                       f"is {global_batch}; keep it when changing the world size: {fix}")
     universal = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
     if not universal.exists():
         tmp = tag_dir.with_name(f".{universal.name}.tmp")
