@@ -70,8 +70,11 @@ def test_rank_killed_by_a_signal_is_named_and_nothing_is_left(tmp_path):
 # --------------------------------------------------------------------------- output that cannot be written
 
 def _sft_cli(*args, **kwargs):
+    # A shell without job control starts background commands with SIGINT ignored, and children inherit that
+    # (a CI runner may do the same); Ctrl-C in a terminal arrives at a process with the default handler.
     return subprocess.Popen([sys.executable, "-m", "dslab.cli", "sft", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=kwargs.pop("cwd"), start_new_session=True, **kwargs)
+                            stderr=subprocess.PIPE, text=True, cwd=kwargs.pop("cwd"), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
 
 
 def test_unwritable_output_fails_before_any_rank_starts(tmp_path):
