@@ -1,4 +1,5 @@
 """Helpers for code that runs on a rank: init, rank-0 printing, recipe arguments, results, quiet logs."""
+import atexit
 import json
 import logging
 import os
@@ -60,7 +61,17 @@ def init(backend=None):
     if not torch_dist.is_initialized():
         # backend=None lets DeepSpeed's accelerator choose: gloo on CPU, nccl on NVIDIA GPUs.
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        # Leave the group before the interpreter tears itself down: a group destroyed along with the process
+        # can abort it ("terminate called without an active exception") while its threads still run.
+        atexit.register(_leave_group)
     return torch_dist.get_rank(), torch_dist.get_world_size()
+
+
+def _leave_group():
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
 def rank():
