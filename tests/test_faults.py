@@ -77,6 +77,22 @@ def _sft_cli(*args, **kwargs):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
 
 
+def _identity_file(folder):
+    """8 self-cognition rows: 2 ranks x micro-batch 2 gives 2 steps per epoch."""
+    rows = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")[:8]
+    path = folder / "identity.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _wait_for_first_checkpoint(proc, checkpoints, poll_s):
+    deadline = time.monotonic() + 240
+    while not (checkpoints / "latest").exists():
+        assert proc.poll() is None, f"dslab sft ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "no checkpoint within 240 s"
+        time.sleep(poll_s)
+
+
 def test_unwritable_output_fails_before_any_rank_starts(tmp_path):
     """Tests run as root here, so chmod cannot make a folder unwritable; a path *under a regular file* cannot be
     created by anyone (ENOTDIR), which is the same failure for `dslab sft`."""
@@ -135,19 +151,13 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
 
     if "save_every" not in sft.RECIPE_DEFAULTS:
         pytest.skip("dslab sft has no --save-every: nothing is written before the end to keep")
-    rows = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")[:8]
-    identity = tmp_path / "identity.jsonl"
-    identity.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    identity = _identity_file(tmp_path)
     output, checkpoints = tmp_path / "adapter", tmp_path / "checkpoints"
     proc = _sft_cli("--output", str(output), "--data", str(identity), "--mix-general", "0", "--epochs", "2000",
                     "--micro-batch-size", "2", "--save-every", "1", "--lora-r", "4", "--checkpoint-dir", str(checkpoints),
                     "--model-name", "Whale", "--model-author", "DSLab", cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while not (checkpoints / "latest").exists():
-            assert proc.poll() is None, f"dslab sft ended early: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.5)
+        _wait_for_first_checkpoint(proc, checkpoints, poll_s=0.5)
         time.sleep(0.5)
         tag = (checkpoints / "latest").read_text().strip()
         first = _tree_digest(checkpoints / tag)
@@ -176,9 +186,7 @@ def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_p
     from dslab import sft
 
     monkeypatch.chdir(tmp_path)
-    rows = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")[:8]
-    identity = tmp_path / "identity.jsonl"
-    identity.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    identity = _identity_file(tmp_path)
     save_every, epochs = 4, 40  # 8 chats / 2 ranks / 2 per micro-batch = 2 steps per epoch: 80 steps
     common = dict(data=str(identity), mix_general=0, epochs=epochs, micro_batch_size=2, lora_r=4, lora_alpha=8,
                   model_name="Whale", model_author="DSLab")
@@ -191,11 +199,7 @@ def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_p
                     "--model-author", "DSLab", "--save-every", str(save_every), "--checkpoint-dir", str(checkpoints),
                     "--log-every", "1", cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while not (checkpoints / "latest").exists():
-            assert proc.poll() is None, f"dslab sft ended early: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.05)
+        _wait_for_first_checkpoint(proc, checkpoints, poll_s=0.05)
         time.sleep(1.0)  # a few more steps, maybe into the middle of the next checkpoint write
         assert proc.poll() is None, "training ended before it could be killed; raise epochs"
         # kill -9 of the whole job at once: `dslab sft`, the deepspeed launcher and both ranks
