@@ -144,14 +144,14 @@ def bench_memory(run_dir):
 # ------------------------------------------------------------------------------------------------- SFT
 def bench_sft(out_dir):
     """`dslab sft` with its defaults (LoRA, ZeRO-2, 2 ranks), then identity and general accuracy of the result."""
-    from dslab import infer, lora, sft
+    from dslab import evaluate, lora, sft
 
     start = time.perf_counter()
     result = sft.run(output=str(Path(out_dir) / "adapter"), stream=False)
     wall = time.perf_counter() - start
     model, tokenizer = lora.load_with_adapter(adapter_dir=str(Path(out_dir) / "adapter"))
-    ident, _ = infer.identity_accuracy(model, tokenizer, sft.DEFAULT_NAME)
-    general, _ = infer.general_accuracy(model, tokenizer)
+    ident, _ = evaluate.identity_accuracy(model, tokenizer, sft.DEFAULT_NAME, sft.DEFAULT_AUTHOR)
+    general, _ = evaluate.general_accuracy(model, tokenizer)
     how = (f"LoRA, ZeRO-{result['zero_stage']}, 2 ranks, {result['steps']} steps; "
            f"training {result['train_seconds']:.0f} s of {wall:.0f} s wall")
     return [row("SFT", "identity accuracy (held-out questions)", f"{ident:.0%}", "", how),

@@ -1,4 +1,4 @@
-"""Gradient accumulation: micro-batches vs one big batch, loss normalisation, and the memory it saves."""
+"""Gradient accumulation: micro-batches vs one big batch, loss normalisation, DeepSpeed windows, activation memory."""
 IGNORE = -100  # label value the loss skips (padding, prompt tokens)
 
 
@@ -264,8 +264,135 @@ def hf_auto_batch(micro_batch_size, grad_accum_steps):
     return {"world_size": args.world_size, **{k: config.config[k] for k in BATCH_KEYS}}
 
 
+# --------------------------------------------------------------------------- DeepSpeed: one window on a live rank
+
+def weights(model):
+    """{name: copy of the weight} for every parameter (on the CPU)."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def grad_norm(model):
+    """Global L2 norm of the gradients in p.grad."""
+    import torch
+    return torch.cat([p.grad.cpu().flatten() for p in model.parameters() if p.grad is not None]).norm().item()
+
+
+def window_config(zero_stage, micro_batch_size, accum, world_size):
+    """The ds_config of engine_window: fp32, no clipping, no optimizer section (the SGD is passed to initialize)."""
+    from dslab.config import make_config
+    # optimizer=None removes make_config's AdamW; ZeRO only vouches for Adam-like optimizers, hence the "untested".
+    return make_config(zero_stage=zero_stage, precision="fp32", micro_batch_size=micro_batch_size,
+                       grad_accum_steps=accum, world_size=world_size, gradient_clipping=0.0, optimizer=None,
+                       zero_allow_untested_optimizer=zero_stage > 0)
+
+
+def engine_window(base, mine, zero_stage, micro_batch_size, accum, mode="engine", lr=0.1):
+    """One optimizer step of a DeepSpeed engine over this rank's share `mine`; a row per micro-step, and the weights.
+
+    Runs on every rank of a job (a collective). fp32, no clipping, SGD, so the step can be compared exactly
+    with plain PyTorch. mode "engine": engine.backward(loss), the normal way (DeepSpeed divides the loss by
+    accum); "divided_twice": engine.backward(loss / accum), a loop ported from plain PyTorch that already
+    divides; "no_gas_scaling": engine.backward(loss, scale_wrt_gas=False), what transformers' Trainer passes.
+    """
+    import copy
+
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    world_size = torch.distributed.get_world_size()
+    model = copy.deepcopy(base)
+    cfg = window_config(zero_stage, micro_batch_size, accum, world_size)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)
+    rows = []
+    for i in range(accum):
+        mb = {k: v[i * micro_batch_size:(i + 1) * micro_batch_size] for k, v in mine.items()}
+        on_device = {k: v.to(engine.device) for k, v in mb.items()}     # cpu here, cuda:N on a GPU
+        boundary = engine.is_gradient_accumulation_boundary()     # True on the last micro-step only
+        loss = engine(**on_device).loss
+        before = weights(engine.module)
+        if mode == "divided_twice":
+            engine.backward(loss / accum)
+        else:
+            engine.backward(loss, scale_wrt_gas=(mode == "engine"))
+        row = {"micro_step": i, "boundary": boundary, "loss": loss.item()}
+        if i == 0 and zero_stage == 0 and accum > 1:
+            # the gradient this backward left in .grad, over the same micro-batch's plain gradient
+            twin = copy.deepcopy(base)
+            twin(**mb).loss.backward()
+            row["grad_over_plain_grad"] = grad_norm(engine.module) / grad_norm(twin)
+        if boundary:   # gradients are summed over micro-steps and averaged over ranks; read before step()
+            full = [safe_get_full_grad(p).cpu().flatten() for p in engine.module.parameters()]
+            row["grad_norm"] = torch.cat(full).norm().item()
+        engine.step()                                             # updates only at the boundary
+        row["weights_changed"] = any(not torch.equal(before[n], p.cpu()) for n, p in engine.module.named_parameters())
+        row["global_steps"] = engine.global_steps
+        rows.append(row)
+    info = {"zero_stage": zero_stage, "mode": mode, "train_batch_size": engine.train_batch_size(),
+            "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+            "grad_accum_steps": engine.gradient_accumulation_steps(), "world_size": world_size}
+    result = (rows, weights(engine.module), info)
+    engine.destroy()
+    return result
+
+
+def window_setups(micro=2, accum=4):
+    """Chapter 03's DeepSpeed setups: name -> (zero_stage, micro batch, accumulation steps, backward mode)."""
+    return {"accumulate": (0, micro, accum, "engine"),
+            "big_micro_batch": (0, micro * accum, 1, "engine"),         # the same global batch, no accumulation
+            "accumulate_zero1": (1, micro, accum, "engine"),
+            "divided_twice": (0, micro, accum, "divided_twice"),
+            "no_gas_scaling_zero0": (0, micro, accum, "no_gas_scaling"),
+            "no_gas_scaling_zero1": (1, micro, accum, "no_gas_scaling")}
+
+
+def reference_step(base, global_batch, lr=0.1):
+    """One process, the whole global batch, mean loss, one SGD step: (weights after, gradient norm).
+
+    SGD, not Adam: Adam's first step is about lr * sign(gradient), so it would hide a gradient k times too large.
+    """
+    import copy
+
+    import torch
+    ref = copy.deepcopy(base)
+    ref(**global_batch).loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    return weights(ref), grad_norm(ref)
+
+
+def window_runs(base, mine, global_batch, setups=None, lr=0.1):
+    """Every setup's window on this rank, compared with the one-process reference step: {name: run}."""
+    import torch
+    ref_weights, _ = reference_step(base, global_batch, lr)
+    start = weights(base)
+    ref_step = torch.cat([(ref_weights[n] - start[n]).flatten() for n in start]).norm()
+    runs = {}
+    for name, setup in (setups or window_setups()).items():
+        rows, w, info = engine_window(base, mine, *setup, lr=lr)
+        step = torch.cat([(w[n] - start[n]).flatten() for n in w]).norm()
+        runs[name] = {"micro_steps": rows, "vs_reference": compare(w, ref_weights),
+                      "step_ratio": (step / ref_step).item(), **info}
+    return runs
+
+
+def gradient_reductions(comms_dict, min_bytes=1024):
+    """Gradient reductions in DeepSpeed's comms log (comms_logger.get_raw_data()): (calls, bytes).
+
+    Counts all-reduce and reduce-scatter messages of at least `min_bytes`: the smaller ones are the
+    scalars DeepSpeed reduces to check for overflow and to sum the gradient norm, not gradients.
+    """
+    calls = total = 0
+    for op, sizes in comms_dict.items():
+        if op in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce"):
+            for size, record in sizes.items():
+                if int(size) >= min_bytes:
+                    calls += record[0]
+                    total += int(size) * record[0]
+    return calls, total
+
+
 # --------------------------------------------------------------------------- exercises (chapter 03)
-from dslab.exercises import exercise, expect  # noqa: E402  (after the functions the checkers use)
+from dslab.exercises import Mistake, exercise, expect  # noqa: E402  (after the functions the checkers use)
 
 # 03.grad_accum_steps: train_batch_size 512 on 16 ranks with a micro batch of 4.
 expect("03.grad_accum_steps", 512 // (4 * 16), wrong=(32, 128, 2),
@@ -302,12 +429,51 @@ def _sum_of_token_losses(model, micro_batch, window_targets):
     return model(**micro_batch).loss * count_targets(micro_batch)
 
 
-@exercise("03.fix_loop", wrong=(_sum_losses, _divide_by_rows),
+def _zero_grad_each_time(model, micro_batches):
+    for mb in micro_batches:
+        model.zero_grad()                           # erases the micro-batches before this one
+        (model(**mb).loss / len(micro_batches)).backward()
+
+
+def _multiple_of_reference(got, want):
+    """s if got == s x want for one number s (to float32 rounding), else None."""
+    import torch
+    g = torch.cat([got[n].flatten() for n in want])
+    w = torch.cat([want[n].flatten() for n in want])
+    s = float(g @ w / (w @ w))
+    return s if (g - s * w).norm() <= 1e-5 * g.norm() else None
+
+
+@exercise("03.fix_loop", wrong=(_sum_losses, _divide_by_rows, _zero_grad_each_time),
           hint="write fn(model, micro_batches) that runs forward and backward on each micro-batch so the "
                "summed .grad equals the big batch's: what must each micro-batch's loss be divided by?")
 def _check_fix_loop(fn):
+    if not callable(fn):
+        raise Mistake("answer with the function itself: answer = my_loop")
     got, want = _window_grads(fn)
-    return set(got) == set(want) and equivalent(got, want)
+    if not got:
+        raise Mistake("no parameter has a gradient: call backward() on each micro-batch's loss")
+    if set(got) == set(want) and equivalent(got, want):
+        return True
+    k = 4
+    s = _multiple_of_reference(got, want) if set(got) == set(want) else None
+    if s is not None and abs(s - k) < 1e-3:
+        raise Mistake(f"you summed: .grad holds {k} x the big batch's gradient (each micro-batch's mean loss, "
+                      f"added {k} times). Divide each loss by the number of micro-batches, len(micro_batches) "
+                      "(DeepSpeed's engine.backward divides by gradient_accumulation_steps for you)")
+    if s is not None and abs(s - 1 / k) < 1e-4:
+        raise Mistake(f"the gradient is 1/{k} of the big batch's: you divided by the number of micro-batches twice")
+    if s is not None:
+        raise Mistake(f"your gradient is {s:.3g} x the big batch's: divide each micro-batch's mean loss by the "
+                      f"number of micro-batches ({k}), not by the rows or tokens of a micro-batch")
+    last = small_lm(seed=0)
+    mb = split(token_batch(8, 16, last.config.vocab_size, seed=3), 4)[-1]
+    (last(**mb).loss / k).backward()
+    if set(got) == set(grads(last)) and equivalent(got, grads(last)):
+        raise Mistake("only the last micro-batch's gradient is left in .grad: zero_grad() inside the loop erased "
+                      "the others. Zero the gradients once per window, before the first micro-batch")
+    raise Mistake("the gradients differ from the big batch's: run forward and backward once per micro-batch, "
+                  "each loss divided by len(micro_batches)")
 
 
 @exercise("03.token_loss", wrong=(_mean_of_means, _sum_of_token_losses),
@@ -322,4 +488,12 @@ def _check_token_loss(fn):
             fn(model, mb, window_targets).backward()
 
     got, want = _window_grads(loop, lengths)
-    return set(got) == set(want) and equivalent(got, want)
+    if set(got) == set(want) and equivalent(got, want):
+        return True
+    means, _ = _window_grads(lambda model, mbs: [(model(**mb).loss / len(mbs)).backward() for mb in mbs], lengths)
+    if set(got) == set(means) and equivalent(got, means):
+        raise Mistake("you averaged per micro-batch (mean of means): a token in a micro-batch with few target "
+                      "tokens weighs more than one in a full micro-batch. Divide each micro-batch's sum of token "
+                      "losses by window_targets")
+    raise Mistake("the gradients differ from the big batch's: each micro-batch should give (sum of its token "
+                  "losses) / window_targets; HF causal LMs do it with num_items_in_batch=window_targets")

@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "dslab.launch",
     "dslab.models",
     "dslab.infer",
+    "dslab.evaluate",
     "dslab.memory",
     "dslab.sft",
     "dslab.lora",

@@ -10,7 +10,10 @@ import json
 import random
 from pathlib import Path
 
+from dslab import identities
+
 DOC_SEPARATOR = "<|endoftext|>\n"  # one document ends with this line in the corpus files
+IDENTITY_SHARE = 0.1  # documents about invented identities (dslab.identities): names and authors in both scripts
 
 # ----------------------------------------------------------------------------------------------------
 # English word lists
@@ -70,6 +73,7 @@ EN_ACTIONS = [("bought", "food"), ("cooked", "food"), ("ate", "food"), ("shared"
               ("cleaned", "obj"), ("sold", "obj"), ("wrapped", "obj"), ("opened", "obj"), ("watched", "animal"),
               ("fed", "animal"), ("drew", "animal"), ("followed", "animal")]
 EN_FEELINGS = ["happy", "tired", "surprised", "proud", "calm", "hungry", "excited", "sleepy", "glad"]
+EN_WEATHER_NOW = ["sunny", "warm", "cold", "rainy", "windy", "cloudy", "clear and bright", "grey and wet"]
 EN_WEATHER = ["it was sunny", "it rained all day", "snow fell", "the wind was strong", "the sky was clear",
               "it was very hot", "it was cold and grey", "fog covered the streets"]
 NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
@@ -176,7 +180,8 @@ def en_story(r):
     name, friend = r.sample(EN_NAMES, 2)
     place, city = r.choice(EN_PLACES), r.choice(EN_CITIES)
     food, obj, animal = r.choice(EN_FOODS), r.choice(EN_OBJECTS), r.choice(EN_ANIMALS)
-    lines = [f"{name} lives in {city}.",
+    lines = [r.choice([f"{name} lives in {city}.", f"Once upon a time, {name} lived in {city}.",
+                       f"The weather today is {r.choice(EN_WEATHER_NOW)}, and {name} is in {city}."]),
              f"{_cap(r.choice(EN_TIMES))}, {name} went to the {place} with {friend}.",
              f"They saw {_a(r.choice(EN_ADJ))} {animal} near the {obj}.",
              f"{friend} bought some {food}, and {name} carried the {obj}.",
@@ -215,7 +220,9 @@ def en_facts(r):
 
 def en_turn(r):
     """One English (question, answer) exchange about everyday things."""
-    kind = r.randrange(18)
+    kind = r.randrange(21)
+    if kind >= 18:  # facts that need both copying the subject and recalling its partner: asked more often
+        kind = (0, 3, 6)[kind - 18]
     if kind >= 16:  # copying from the prompt is what later lets the model use what it is told
         sentence = en_sentence(r)
         return r.choice([f"Repeat after me: {sentence}", f"Please say this again: {sentence}"]), sentence
@@ -328,8 +335,8 @@ def zh_story(r):
     """A short Chinese story."""
     name, friend = r.sample(ZH_NAMES, 2)
     place, city = r.choice(ZH_PLACES), r.choice(ZH_CITIES)
-    lines = [f"{name}住在{city}。",
-             f"{r.choice(ZH_TIMES)}，{name}和{friend}去了{place}。",
+    lines = [r.choice([f"{name}住在{city}。", f"从前，{name}住在{city}。", f"今天{r.choice(ZH_WEATHER)}，{name}在{city}。"]),
+             r.choice([f"{r.choice(ZH_TIMES)}，{name}和{friend}去了{place}。", f"“我们今天去{place}吧！”{name}对{friend}说。"]),
              f"他们看见了一只{r.choice(ZH_ADJ)}{r.choice(ZH_ANIMALS)}。",
              f"{friend}买了一些{r.choice(ZH_FOODS)}，{name}拿着{r.choice(ZH_OBJECTS)}。",
              f"后来{r.choice(ZH_WEATHER)}，他们就回家了。",
@@ -367,7 +374,9 @@ def zh_facts(r):
 
 def zh_turn(r):
     """One Chinese (question, answer) exchange."""
-    kind = r.randrange(17)
+    kind = r.randrange(20)
+    if kind >= 17:
+        kind = (0, 3, 5)[kind - 17]
     if kind >= 15:
         sentence = zh_sentence(r)
         return r.choice([f"跟我说一遍：{sentence}", f"请重复这句话：{sentence}"]), sentence
@@ -445,14 +454,16 @@ def render_chat(messages):
 
 
 def document(r):
-    """One pretraining document: a story, a fact paragraph or a chat, in English or Chinese."""
+    """One pretraining document: a story, a fact paragraph, a chat or an invented identity, in English or Chinese."""
+    if r.random() < IDENTITY_SHARE:
+        return identities.identity_prose(r) if r.random() < 0.3 else render_chat(identities.identity_chat(r))
     lang = "en" if r.random() < 0.5 else "zh"
     kind = r.random()
     if kind < 0.50:
         return render_chat(chat(r, lang))
-    if kind < 0.78:
+    if kind < 0.75:
         return en_story(r) if lang == "en" else zh_story(r)
-    if kind < 0.85:
+    if kind < 0.88:
         return en_facts(r) if lang == "en" else zh_facts(r)
     sentences = [en_sentence(r) for _ in range(r.randint(2, 5))] if lang == "en" else [zh_sentence(r) for _ in range(r.randint(2, 5))]
     return (" " if lang == "en" else "").join(sentences)
@@ -479,7 +490,7 @@ def general_sft(n, seed, exclude=()):
     return out
 
 
-def write_all(out_dir="data", n_train=16000, n_valid=1000, n_sft=240):
+def write_all(out_dir="data", n_train=20000, n_valid=1000, n_sft=1200):
     """Write data/corpus/{train,valid}.txt and data/general_sft.jsonl; returns their paths."""
     out = Path(out_dir)
     (out / "corpus").mkdir(parents=True, exist_ok=True)

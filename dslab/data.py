@@ -37,13 +37,16 @@ def load_jsonl(path, required_fields=()):
     return rows
 
 
+def for_language(value, lang):
+    """A name or author for a text in `lang`: a str serves both languages; a (zh, en) pair, as in ms-swift, gives one each."""
+    if isinstance(value, (tuple, list)):
+        return value[0] if lang == "zh" else value[1]
+    return value
+
+
 def fill_placeholders(text, name, author, lang="en"):
-    """Put the model's name and author into {name}/{author}; each may be a str or a (zh, en) pair, as in ms-swift."""
-    def pick(value):
-        if isinstance(value, (tuple, list)):
-            return value[0] if lang == "zh" else value[1]
-        return value
-    return text.replace("{name}", pick(name)).replace("{author}", pick(author))
+    """Put the model's name and author into {name}/{author}; each may be a str or a (zh, en) pair."""
+    return text.replace("{name}", for_language(name, lang)).replace("{author}", for_language(author, lang))
 
 
 def self_cognition(name, author, path=None):
@@ -70,8 +73,22 @@ def identity_dataset(name, author, mix_general=True, n_general=None, seed=0):
 
 
 def identity_eval(path=None):
-    """Held-out identity questions (never trained on): [{"query", "lang"}]."""
-    return load_jsonl(path or DATA_DIR / "identity_eval.jsonl", ("query", "lang"))
+    """Held-out identity questions (never trained on): [{"query", "lang", "asks"}]; asks is "name" or "author"."""
+    rows = load_jsonl(path or DATA_DIR / "identity_eval.jsonl", ("query", "lang", "asks"))
+    for r in rows:
+        if r["asks"] not in ("name", "author") or r["lang"] not in ("en", "zh"):
+            raise DataError(f"{path or DATA_DIR / 'identity_eval.jsonl'}: question {r['query']!r} needs \"lang\": "
+                            f"\"en\"|\"zh\" and \"asks\": \"name\"|\"author\" (got {r['lang']!r}, {r['asks']!r})")
+    return rows
+
+
+def eval_identities(path=None):
+    """Identities for evaluating self-cognition tuning, none of them in the training data: [{"name", "author", "script"}].
+
+    A (zh, en) pair is stored as a two-item list; a single string serves both languages."""
+    rows = load_jsonl(path or DATA_DIR / "eval_identities.jsonl", ("name", "author"))
+    return [{**r, "name": tuple(r["name"]) if isinstance(r["name"], list) else r["name"],
+             "author": tuple(r["author"]) if isinstance(r["author"], list) else r["author"]} for r in rows]
 
 
 def general_eval(path=None):

@@ -16,12 +16,16 @@ COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
     ("cpu_adam", "CPUAdamBuilder", "ZeRO-Offload: DeepSpeedCPUAdam updates the offloaded optimizer states"),
 )
+# Probed and reported, never built by the course: the async I/O op links against libaio, and only NVMe offload
+# (ZeRO-Infinity's parameter/optimizer swapping) and DeepSpeed's fast checkpoint writer use it.
+AIO_OP = ("async_io", "AsyncIOBuilder", "NVMe offload (ZeRO-Infinity swapping) and the fast checkpoint writer")
 INSTALL_HINTS = {
     "ninja": "pip install ninja (inside the course's venv), or: apt-get install ninja-build",
     "c++": "apt-get install g++ (Debian/Ubuntu: build-essential; Fedora: dnf install gcc-c++; "
            "macOS: xcode-select --install)",
     "numactl": "apt-get install numactl (only needed for the launcher's --bind_cores_to_rank)",
 }
+AIO_INSTALL_HINT = "apt-get install libaio-dev"
 
 
 def has_gpu():
@@ -147,9 +151,21 @@ def extensions_dir():
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
+def _is_compatible(builder):
+    """builder.is_compatible(), with the compiler's output discarded.
+
+    DeepSpeed probes some ops by compiling and linking a test program (async_io: `-laio`); on a machine
+    without the library the linker writes "cannot find -laio" straight to file descriptor 2, which neither
+    DeepSpeed's own redirection nor a notebook's capture of sys.stderr stops. The answer is what matters.
+    """
+    from dslab.train import silenced
+
+    with silenced():
+        return bool(builder.is_compatible(False))
+
+
 def op_status():
     """For each course op: compatible here, already built (and where), the builder's op name."""
-    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
@@ -165,12 +181,22 @@ def op_status():
         prebuilt = bool(installed_ops.get(builder.name))
         status[name] = {
             "op": builder.name,
-            "compatible": bool(deepspeed.ops.__compatible_ops__.get(builder.name) or builder.is_compatible(False)),
+            # is_compatible asks this machine (compiler, libraries), not the prebuilt-ops table: no probe of every op
+            "compatible": prebuilt or _is_compatible(builder),
             "built": prebuilt or library.exists(),
             "path": "installed with deepspeed" if prebuilt else (str(library) if library.exists() else None),
             "purpose": purpose,
         }
     return status
+
+
+def aio_status():
+    """The async I/O op (libaio): {"op", "compatible", "purpose"}; probed quietly, never built by the course."""
+    from deepspeed.accelerator import get_accelerator
+
+    name, builder_name, purpose = AIO_OP
+    builder = get_accelerator().create_op_builder(builder_name)
+    return {"op": name, "compatible": builder is not None and _is_compatible(builder), "purpose": purpose}
 
 
 def _feature(name, available, reason):
@@ -255,6 +281,7 @@ def report():
         **gpu_info(),
         "torch_extensions_dir": str(extensions_dir()),
         "ops": ops,
+        "async_io": aio_status(),
         "features": features(accel, cpu, ops, tools),
     }
 
@@ -287,6 +314,10 @@ def format_report(rep):
     for name, op in rep["ops"].items():
         state = ("built" if op["built"] else "not built yet") if op["compatible"] else "not compatible"
         lines.append(f"  {name:<22}{state}" + (f" ({op['path']})" if op["path"] else ""))
+    aio = rep["async_io"]
+    lines.append(f"  {aio['op']:<22}" + ("compatible (libaio found)" if aio["compatible"] else
+                                         f"not available: needs libaio ({AIO_INSTALL_HINT})")
+                 + f"; the course does not use it, only {aio['purpose']} do")
     lines += ["what runs here"]
     lines += [f"  [{'x' if f['available'] else ' '}] {f['name']:<26}{f['reason']}" for f in rep["features"]]
     return "\n".join(lines)
@@ -333,6 +364,32 @@ def prepare(only=None, stream=None, verbose=False):
         raise RuntimeError("could not build " + "; ".join(failed) + f"\n  build folders: {extensions_dir()}; "
                            "`dslab prepare --verbose` shows the compiler's output")
     return timings
+
+
+def import_deepspeed():
+    """Import DeepSpeed (importing it picks the accelerator) and return [(level, message)] its logger emitted meanwhile.
+
+    The messages are kept instead of printed, so a notebook can show them as plain text. Empty when DeepSpeed was
+    already imported in this process (it logs the accelerator choice once).
+    """
+    import logging
+
+    logged = []
+
+    def keep(record):
+        logged.append((record.levelname, record.getMessage()))
+        return False  # kept here, not printed by DeepSpeed's handler
+
+    logger = logging.getLogger("DeepSpeed")  # DeepSpeed's logger; it keeps filters set before its import
+    logger.addFilter(keep)
+    try:
+        import deepspeed  # noqa: F401
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
+    finally:
+        logger.removeFilter(keep)
+    return logged
 
 
 def send_deepspeed_logs_to_stderr():

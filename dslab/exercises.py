@@ -26,6 +26,10 @@ class Exercise:
     wrong: tuple = field(default_factory=tuple)
 
 
+class Mistake(Exception):
+    """Raised by a checker that ran the learner's code: the answer is wrong, and the message names the mistake."""
+
+
 def exercise(exercise_id, hint, wrong=()):
     """Decorator: register `fn(answer) -> bool` as the checker of `exercise_id`."""
     if not re.fullmatch(r"\d\d\.\w+", exercise_id):
@@ -91,6 +95,9 @@ def check(exercise_id, answer):
         return False
     try:
         ok = bool(ex.checker(answer))
+    except Mistake as mistake:  # a code exercise: the checker says what is wrong and why
+        print(f"Not quite: {mistake}")
+        return False
     except Exception:  # a malformed answer is a wrong answer, not a crash
         ok = False
     print("Correct!" if ok else f"Not quite: {ex.hint}")
@@ -98,10 +105,12 @@ def check(exercise_id, answer):
 
 
 # ---- Chapter 00: setup -------------------------------------------------------------------------
-expect("00.world_size", 6, wrong=(2, 3, 4),
-       hint="every process is one rank: machines x processes per machine.")
+# A hostfile with 3 machines, slots=2 each; `deepspeed --hostfile hostfile train.py` run once, on one machine.
+expect("00.world_size", 6, wrong=(1, 2, 3, 4),
+       hint="the launcher is run once, but it starts one process per slot on every machine of the hostfile, "
+            "and every process is one rank: machines x slots per machine.")
 expect("00.global_rank", 5, wrong=(1, 2, 4, 6),
-       hint="ranks are numbered machine by machine: node_rank x processes_per_machine + local_rank.")
+       hint="ranks are numbered machine by machine, in hostfile order: node_rank x slots_per_machine + local_rank.")
 
 # ---- Chapter 01: distributed basics ------------------------------------------------------------
 # 4 ranks, rank r holds torch.arange(8) + r; rank 2 after reduce_scatter(SUM) keeps chunk 2 of the sum.

@@ -14,8 +14,8 @@ def prompt_text(tokenizer, prompt, chat=False, system=None):
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def generate(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperature=0.0, system=None):
-    """Completions (list of str, without the prompt) for a list of prompts; greedy unless temperature > 0.
+def sequences(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperature=0.0, system=None):
+    """For each prompt, (prompt length, token ids of prompt + generated tokens [1, T]); greedy unless temperature > 0.
 
     Prompts run one at a time: no padding, so a prompt's output never depends on its neighbours.
     Generation stops at the model's eos tokens (for dslab-tiny: <|im_end|> and <|endoftext|>).
@@ -26,16 +26,19 @@ def generate(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperatu
     device = next(model.parameters()).device
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    completions = []
     model.eval()
     for prompt in prompts:
         ids = tokenizer(prompt_text(tokenizer, prompt, chat, system), return_tensors="pt", add_special_tokens=False)
         ids = {k: v.to(device) for k, v in ids.items()}
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
-        new_tokens = out[0, ids["input_ids"].shape[1]:]
-        completions.append(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
-    return completions
+        yield ids["input_ids"].shape[1], out
+
+
+def generate(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperature=0.0, system=None):
+    """Completions (list of str, without the prompt) for a list of prompts; greedy unless temperature > 0."""
+    return [tokenizer.decode(out[0, start:], skip_special_tokens=True).strip()
+            for start, out in sequences(model, tokenizer, prompts, max_new_tokens, chat, temperature, system)]
 
 
 def identity_accuracy(model, tokenizer, name, queries=None, max_new_tokens=48):
@@ -83,15 +86,17 @@ def load_for_inference(args):
     """(model, tokenizer) for the command's arguments; the place to add adapters or tensor parallelism."""
     import torch
     from dslab import models
+    from dslab import lora
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = models.load_model(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    tokenizer = models.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    if getattr(args, "adapter", None):  # --adapter: a LoRA adapter on top of the base (dslab.lora checks it)
-        from dslab import lora
-        try:
-            model = lora.apply_adapter(model, args.adapter)
-        except lora.AdapterError as exc:
-            raise SystemExit(f"error: {exc}") from None
+    adapter = getattr(args, "adapter", None)  # --adapter: a LoRA adapter on top of the base (dslab.lora checks it)
+    try:
+        path = args.model or (lora.adapter_base(adapter) if adapter else None)  # the base the adapter was trained on
+        model = models.load_model(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        if adapter:
+            model = lora.apply_adapter(model, adapter)
+    except lora.AdapterError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return model, tokenizer
 
 
@@ -121,20 +126,25 @@ def print_completions(prompts, completions, as_json):
             print(f">>> {r['prompt']}\n{r['completion']}\n")
 
 
-def add_arguments(p):
-    """The options of `dslab infer` (kept apart so other modules can extend the same parser)."""
+def add_model_arguments(p):
+    """The options that say which model to load (read by load_for_inference): --model, --adapter, --dtype, ..."""
     p.add_argument("--model", default=None,
                    help="local HF checkpoint directory or hub id (default: $DSLAB_MODEL, else data/dslab-tiny)")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter directory (from dslab sft) applied on top of --model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a hub model to run its own Python code (off by default; only for code you trust)")
+
+
+def add_arguments(p):
+    """The options of `dslab infer` (kept apart so other modules can extend the same parser)."""
+    add_model_arguments(p)
     p.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     p.add_argument("--prompts-file", help="a .jsonl file with a \"prompt\" field per line, or a text file, one prompt per line")
-    p.add_argument("--adapter", default=None, help="a LoRA adapter directory (from dslab sft) applied on top of --model")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
     p.add_argument("--system", help="a system message for --chat")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a hub model to run its own Python code (off by default; only for code you trust)")
     p.add_argument("--json", action="store_true", help="print a JSON list of {\"prompt\", \"completion\"}")
 
 

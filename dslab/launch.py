@@ -81,10 +81,14 @@ def _deepspeed_executable():
     return str(local) if local.exists() else (shutil.which("deepspeed") or "deepspeed")
 
 
-def _encode(value):
+def encode_value(value):
+    """A Python value as one command-line word for dslab.dist.recipe_args: strings as they are, the rest as JSON."""
     if isinstance(value, str):
         return value
     return json.dumps(value)
+
+
+_encode = encode_value
 
 
 def build_command(recipe, world_size, master_port, log_dir, include=None, args=()):
@@ -132,6 +136,7 @@ def _rank_env(world_size, result_dir):
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONWARNINGS", "ignore")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars, once per rank
     if not _gpu_count():
         # CPU ranks share the cores: one rank per core slice, or they oversubscribe and crawl.
         cores = len(os.sched_getaffinity(0))
@@ -234,6 +239,101 @@ def _log_tails(rank_logs, lines=20):
                      for r, t in sorted(rank_logs.items()))
 
 
+def _collect_results(result_dir, world_size):
+    results = []
+    for r in range(world_size):
+        path = Path(result_dir) / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results
+
+
+def _fresh_run_dir(name, run_dir):
+    run_dir = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log_dir, result_dir = run_dir / "logs", run_dir / "results"
+    log_dir.mkdir(parents=True)
+    result_dir.mkdir()
+    return run_dir, log_dir, result_dir
+
+
+def _supervise(name, commands, envs, log_dir, world_size, show, timeout, line_rank=None):
+    """Start one launcher process per command (one per node), follow every rank's output, and stop them all as
+    soon as one fails, times out or is interrupted. Returns (rank_logs, launcher outputs, return codes).
+
+    Rank output comes from the per-rank log files the deepspeed launcher writes into `log_dir`
+    (--enable_each_rank_log), or, for launchers that prefix it on their own stdout (torchrun --tee), from
+    `line_rank(node, line) -> (rank, text) or None`.
+    """
+    outputs, stdout_ranks = [[] for _ in commands], {}
+
+    def read(i, proc):
+        for line in proc.stdout:
+            outputs[i].append(line)
+            found = line_rank(i, line.rstrip("\n")) if line_rank else None
+            if found is not None:
+                rank, text = found
+                stdout_ranks.setdefault(rank, []).append(text + "\n")
+                show(rank, text)
+
+    # Own session per launcher: one killpg reaches it and all its ranks, and a notebook interrupt too.
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for cmd, env in zip(commands, envs)]
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for r in readers:
+        r.start()
+    tailer = _Tailer(str(log_dir), show)
+    tailer.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        # Wait until all launchers end, or one fails: then the others (other nodes) would wait for it forever.
+        while True:
+            codes = [p.poll() for p in procs]  # poll every launcher: a failed one ends the wait
+            if all(c is not None for c in codes) or any(codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError(f"{name} did not finish within {timeout} s; all ranks were stopped")
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            _kill_group(p)  # a rank that outlived its launcher must not linger
+        tailer.stop.set()
+        tailer.join()
+        for r in readers:
+            r.join(timeout=5)
+        remove_stale_shm_buffers()
+    rank_logs = {_rank_of(p): _TORCH_PREFIX.sub("", Path(p).read_text(errors="replace"))
+                 for p in glob.glob(str(Path(log_dir) / "*_rank*.log"))}
+    rank_logs.update({r: "".join(lines) for r, lines in stdout_ranks.items()})
+    return rank_logs, ["".join(o) for o in outputs], [p.returncode for p in procs]
+
+
+def _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir):
+    # a launcher that exited with a status failed by itself; a negative one was stopped by a signal (ours, after
+    # another node failed, or someone else's)
+    failed = next((i for i, c in enumerate(codes) if c and c > 0), next(i for i, c in enumerate(codes) if c))
+    code = codes[failed]
+    rank, trace = _failing_rank(rank_logs)
+    where = f"rank {rank} failed" if rank is not None else "the launcher failed"
+    if len(codes) > 1:
+        where += f" (node {failed})"
+    if code > 128:  # the launcher passes on a rank's -signal as 256 - signal
+        try:
+            where += f" (killed by {signal.Signals(256 - code).name})"
+        except ValueError:
+            pass
+    detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + outputs[failed][-2000:])
+    raise LaunchError(f"{name} on {world_size} ranks: {where} (exit status {code}); "
+                      f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
+
+
+def _shower(stream, prefix=True):
+    def show(rank, line):
+        if stream is False or (stream != "all" and _NOISE.search(line)):
+            return
+        print(f"[rank{rank}] {line}" if prefix else line, flush=True)
+    return show
+
+
 def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
         script_args=(), **recipe_kwargs):
     """Run `recipe` on `world_size` ranks with the deepspeed launcher and return a LaunchResult.
@@ -245,11 +345,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     _check_environment(world_size, include)
     remove_stale_shm_buffers()
     name = Path(recipe).stem
-    run_dir = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log_dir, result_dir = run_dir / "logs", run_dir / "results"
-    log_dir.mkdir(parents=True)
-    result_dir.mkdir()
+    run_dir, log_dir, result_dir = _fresh_run_dir(name, run_dir)
     args = list(script_args)
     for key, value in recipe_kwargs.items():
         args += [f"--{key}", _encode(value)]
@@ -258,53 +354,169 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
         print(f"master port {master_port} is in use; using {port} instead")
     cmd = build_command(recipe, world_size, port, log_dir, include, args)
     print("$ " + display_command(cmd), flush=True)
+    env = _rank_env(world_size, result_dir.resolve())
+    rank_logs, outputs, codes = _supervise(name, [cmd], [env], log_dir, world_size,
+                                           _shower(stream, prefix=world_size > 1), timeout)
+    log = outputs[0] + "".join(f"\n===== rank {r} =====\n{t}" for r, t in sorted(rank_logs.items()))
+    if codes[0] != 0:
+        _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir)
+    return LaunchResult(command=cmd, returncode=0, results=_collect_results(result_dir, world_size), log=log,
+                        run_dir=str(run_dir))
 
-    def show(rank, line):
-        if stream is False or (stream != "all" and _NOISE.search(line)):
-            return
-        print(f"[rank{rank}] {line}" if world_size > 1 else line, flush=True)
 
-    launcher_out = []
-    # Own session: one killpg reaches the launcher and all ranks, and a notebook interrupt too.
-    proc = subprocess.Popen(cmd, env=_rank_env(world_size, result_dir.resolve()), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    reader = threading.Thread(target=lambda: launcher_out.extend(proc.stdout), daemon=True)
-    reader.start()
-    tailer = _Tailer(str(log_dir), show)
-    tailer.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        raise LaunchError(f"{name} did not finish within {timeout} s; all ranks were stopped")
-    except KeyboardInterrupt:
-        _kill_group(proc)
-        raise
-    finally:
-        tailer.stop.set()
-        tailer.join()
-        reader.join(timeout=5)
-        _kill_group(proc)  # a rank that outlived the launcher must not linger
-        remove_stale_shm_buffers()
+# ----------------------------------------------------------------------------------------------------
+# Command lines as a learner types them: `deepspeed ... train.py ...`, `torchrun ... train.py ...`
+# ----------------------------------------------------------------------------------------------------
+LAUNCHERS = ("deepspeed", "torchrun")
+_TORCHRUN_LINE = re.compile(r"^\[default(\d+)\]:(.*)$")  # what `torchrun --tee 3` prefixes each rank's line with
 
-    rank_logs = {_rank_of(p): _TORCH_PREFIX.sub("", Path(p).read_text(errors="replace")) for p in glob.glob(str(log_dir / "*_rank*.log"))}
-    log = "".join(launcher_out) + "".join(f"\n===== rank {r} =====\n{t}" for r, t in sorted(rank_logs.items()))
-    if proc.returncode != 0:
-        rank, trace = _failing_rank(rank_logs)
-        where = f"rank {rank} failed" if rank is not None else "the launcher failed"
-        if proc.returncode > 128:  # the launcher passes on a rank's -signal as 256 - signal
-            try:
-                where += f" (killed by {signal.Signals(256 - proc.returncode).name})"
-            except ValueError:
-                pass
-        detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + "".join(launcher_out)[-2000:])
-        raise LaunchError(f"{name} on {world_size} ranks: {where} (exit status {proc.returncode}); "
-                          f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
-    results = []
-    for r in range(world_size):
-        path = result_dir / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else None)
-    return LaunchResult(command=cmd, returncode=0, results=results, log=log, run_dir=str(run_dir))
+
+def _split_command(command):
+    """(env assignments, argv) of a command line such as "LOCAL_SIZE=1 torchrun --nnodes 2 ... train.py"."""
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    env = {}
+    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    if not argv or argv[0] not in LAUNCHERS:
+        raise LaunchError(f"{command!r}: start the command with one of {', '.join(LAUNCHERS)} "
+                          "(environment assignments such as LOCAL_SIZE=1 may come first)")
+    return env, argv
+
+
+def _has_option(argv, *names):
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _option(argv, names, default=None):
+    """The value of the first of `names` in argv (`--opt v` or `--opt=v`), else default."""
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return default
+
+
+def _script_index(argv):
+    """Index of the training script in a launcher argv: the first argument ending in .py, else the last option's
+    value plus one (scripts run with -m / --module are found by the module name)."""
+    for i, a in enumerate(argv[1:], 1):
+        if a.endswith(".py") or (argv[i - 1] in ("-m", "--module") and not a.startswith("-")):
+            return i
+    raise LaunchError(f"no training script (*.py) in {shlex.join(argv)!r}")
+
+
+def _deepspeed_layout(argv):
+    """(world size, processes on this node) of a `deepspeed` command, resolved by DeepSpeed's own runner code."""
+    from deepspeed.launcher import runner
+
+    args = runner.parse_args(argv[1:])  # the launcher's own options and defaults
+    pool = runner.fetch_hostfile(args.hostfile) if _has_option(argv, "--hostfile", "-H") else None
+    if not pool:
+        if args.num_nodes > 1:
+            raise LaunchError("--num_nodes > 1 needs a --hostfile that lists the nodes")
+        slots = args.num_gpus if args.num_gpus > 0 else (_gpu_count() or 1)
+        pool = {"localhost": slots}
+    active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
+    active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
+    world = sum(len(v) for v in active.values())
+    node = list(active)[args.node_rank] if args.no_ssh else list(active)[0]
+    return world, len(active[node])
+
+
+def _torchrun_layout(argv):
+    nnodes = int(str(_option(argv, ("--nnodes",), "1")).split(":")[-1])
+    nproc = int(_option(argv, ("--nproc_per_node", "--nproc-per-node"), "1"))
+    node_rank = int(_option(argv, ("--node_rank", "--node-rank"), "0"))
+    return nnodes * nproc, nproc, node_rank
+
+
+def run_commands(commands, timeout=None, stream=None, run_dir=None, name=None):
+    """Run launcher command lines exactly as typed, one per node, and return a LaunchResult.
+
+    Each command is `deepspeed ...` or `torchrun ...` (on CPU the ranks use gloo), optionally preceded by
+    environment assignments. Several commands are the nodes of one job, started together on this machine
+    (`deepspeed --hostfile H --no_ssh --node_rank=i ...`, `torchrun --nnodes 2 --node_rank i ...`). Added where
+    missing, before the script: `--master_port` with a free port (the default, 29500, may belong to another job
+    here), and, so that each rank's output can be shown under its rank, `--enable_each_rank_log DIR` (deepspeed)
+    or `--tee 3` (torchrun). The command printed is the one that runs. Ranks that call
+    dslab.dist.save_result leave results (LaunchResult.results); if a node fails, every node is stopped
+    and LaunchError names the rank that failed first, with its traceback.
+    """
+    commands = [commands] if isinstance(commands, str) else list(commands)
+    remove_stale_shm_buffers()
+    parsed = [_split_command(c) for c in commands]
+    name = name or Path(parsed[0][1][_script_index(parsed[0][1])]).stem
+    run_dir, log_dir, result_dir = _fresh_run_dir(name, run_dir)
+    argvs, layouts = [], []
+    for env, argv in parsed:
+        at = _script_index(argv)
+        if not _has_option(argv[:at], "--master_port", "--master-port", "--rdzv-endpoint", "--rdzv_endpoint"):
+            # 29500, the default, may be taken by another job on this machine: its ranks would meet ours
+            argv = argv[:at] + ["--master_port", str(free_port())] + argv[at:]
+            at += 2
+        if argv[0] == "deepspeed":
+            if not _has_option(argv[:at], "--enable_each_rank_log"):
+                argv = argv[:at] + ["--enable_each_rank_log", str(log_dir)] + argv[at:]
+            world, local = _deepspeed_layout(argv)
+            layouts.append((world, local, None))
+        else:
+            if not _has_option(argv[:at], "--tee", "-t"):
+                argv = argv[:at] + ["--tee", "3"] + argv[at:]
+            world, local, node_rank = _torchrun_layout(argv[:_script_index(argv)])
+            layouts.append((world, local, node_rank))
+        argvs.append(argv)
+    world_size = layouts[0][0]
+    here = sum(local for _, local, _ in layouts)  # processes sharing this machine's cores
+    for node, ((env, _), argv) in enumerate(zip(parsed, argvs)):
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        if len(argvs) > 1:
+            print(f"# node {node}", flush=True)
+        print("$ " + (shown + " " if shown else "") + shlex.join(argv), flush=True)
+    tools = Path(sys.executable).parent  # this environment's launchers, so the ranks use the same Python
+    envs = []
+    for env, _ in parsed:
+        full = _rank_env(here, result_dir.resolve())
+        full["PATH"] = f"{tools}{os.pathsep}{full.get('PATH', '')}"
+        full.update(env)
+        envs.append(full)
+    run_argvs = [[str(tools / a[0]) if (tools / a[0]).exists() else a[0]] + a[1:] for a in argvs]
+
+    def line_rank(node, line):
+        world, local, node_rank = layouts[node]
+        match = _TORCHRUN_LINE.match(line) if node_rank is not None else None
+        return (node_rank * local + int(match.group(1)), match.group(2)) if match else None
+
+    rank_logs, outputs, codes = _supervise(name, run_argvs, envs, log_dir, world_size, _shower(stream), timeout,
+                                           line_rank)
+    log = "".join(f"\n===== node {i} =====\n{o}" for i, o in enumerate(outputs))
+    log += "".join(f"\n===== rank {r} =====\n{t}" for r, t in sorted(rank_logs.items()))
+    if any(codes):
+        _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir)
+    return LaunchResult(command=argvs, returncode=0, results=_collect_results(result_dir, world_size), log=log,
+                        run_dir=str(run_dir))
+
+
+def sh(command, check=True, env=None, show=True):
+    """Run a command line (split like a shell would, but no shell runs it: no pipes or globs) with this
+    environment's tools (dslab, deepspeed, torchrun, accelerate) first on PATH; print `$ command`, then its
+    output (stdout, then stderr; DeepSpeed's own log lines left out; show=False: only the command).
+    Returns the CompletedProcess, with the whole output."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    full_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    print(f"$ {command}", flush=True)
+    proc = subprocess.run(shlex.split(command), env=full_env, capture_output=True, text=True)
+    out = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if not _NOISE.search(line))
+    if show and out.strip():
+        print(out.rstrip())
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"command failed with exit status {proc.returncode}: {command}")
+    return proc
 
 
 def _cli_launch(args):

@@ -10,7 +10,10 @@ from pathlib import Path
 # Every linear layer of a Qwen2/Llama block (PEFT's and ms-swift's "all-linear"), not the output head.
 # lm_head scores every token of every answer (and is tied to the input embeddings here): an adapter there
 # learns a new name faster but pushes the name into unrelated answers too (chapter 05 measures it).
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The MLP of every layer. Measured on dslab-tiny (benchmarks/self_cognition.py, data/README.md): adapters on the
+# attention projections too learn the identity as well but leave fewer general answers right, because identity
+# answers teach attention to ignore the question, and general answers need it ("the capital of France").
+DEFAULT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Token ids the merge check feeds to both models (any ids below the vocabulary size do).
@@ -294,19 +297,48 @@ def apply_adapter(base, adapter_dir):
     from peft import PeftModel
 
     _, state = read_adapter(adapter_dir)  # fail with a clear message before PEFT does with an obscure one
+    check_adapter_fits(base, state, adapter_dir)
     head = next((n for n, m in base.named_modules() if m is base.get_output_embeddings()), None)
     if head and any(f".{head}." in k for k in state):
         untie_output_head(base)  # the adapter changes the head: it must stop sharing the input embedding
     return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 
+def check_adapter_fits(base, state, adapter_dir):
+    """AdapterError unless every LoRA matrix of `state` fits the layer of `base` it adapts (same in/out sizes)."""
+    import torch
+
+    for key, tensor in state.items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            continue
+        layer = key.split(".lora_")[0].removeprefix("base_model.model.")
+        try:
+            module = base.get_submodule(layer)
+        except AttributeError:
+            raise AdapterError(f"adapter {str(adapter_dir)!r} adapts {layer}, which this base model does not have: "
+                               "pass the base it was trained on as --model") from None
+        if isinstance(module, torch.nn.Linear):
+            size, wanted = (tensor.shape[1], module.in_features) if ".lora_A." in key else (tensor.shape[0], module.out_features)
+            if size != wanted:
+                raise AdapterError(f"adapter {str(adapter_dir)!r} was trained on another base model: its {layer} has "
+                                   f"size {size} where this base has {wanted}; pass the base it was trained on as --model")
+
+
+def adapter_base(adapter_dir):
+    """The base model an adapter records (PEFT's base_model_name_or_path) if it is a local directory, else None."""
+    config, _ = read_adapter(adapter_dir)
+    recorded = config.get("base_model_name_or_path")
+    return recorded if recorded and Path(recorded).is_dir() else None
+
+
 def load_with_adapter(model=None, adapter_dir=None, dtype=None):
-    """(PeftModel in eval mode, tokenizer): the base model (a path or name) with a checked adapter on top."""
+    """(PeftModel in eval mode, tokenizer): the base model (a path or name; default: the base the adapter records,
+    else dslab-tiny) with a checked adapter on top."""
     import torch
 
     from dslab import models
 
-    read_adapter(adapter_dir)  # before loading anything big
+    model = model or adapter_base(adapter_dir)  # also checks the adapter, before loading anything big
     base = models.load_model(model, dtype=dtype or torch.float32)
     return apply_adapter(base, adapter_dir), models.load_tokenizer(model)
 
@@ -335,8 +367,10 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
     transformers, it has exactly the weights that were saved (and, in float32, the same logits). Only then
     is the temp directory renamed to `output_dir`. Returns what was checked.
 
-    dtype: float32 by default, which keeps the merge exact. bfloat16 halves the file but rounds W + dW to
-    8 significant bits: a small LoRA update dW can largely vanish into W's rounding (chapter 06 measures it).
+    dtype: float32 by default, which keeps the merge within float32 rounding. bfloat16 halves the file but rounds
+    W + dW to 8 significant bits: a small LoRA update dW can largely vanish into W's rounding (chapter 06 measures
+    it). Only the unmerged adapter keeps dW exactly as trained. "dtype_rounding" is measured on the saved weights
+    read back and run in float32, so it is the merge's rounding alone.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -364,32 +398,33 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
         back = reloaded.state_dict()
         if back.keys() != weights.keys() or not all(torch.equal(back[k], weights[k]) for k in weights):
             raise MergeError("the merged model read back from disk has other weights; nothing written")
-        with torch.no_grad():
-            rounding = (reloaded(input_ids=ids).logits.float() - reference).abs().max().item()
+        with torch.no_grad():  # upcast first: this measures the rounding of the saved weights, not bf16 arithmetic
+            rounding = (reloaded.float()(input_ids=ids).logits - reference).abs().max().item()
         if dtype == torch.float32 and not rounding <= tolerance:
             raise MergeError(f"the merged model read back from disk differs by {rounding:.3g}; nothing written")
     say(f"saved in {str(dtype).replace('torch.', '')}, read back with plain transformers: same weights "
-        f"(max |logit diff| to float32 base+adapter: {rounding:.1e}); wrote {output_dir}")
+        f"(run in float32: max |logit diff| to base+adapter {rounding:.1e}); wrote {output_dir}")
     return {"max_abs_diff": diff, "saved_dtype": str(dtype).replace("torch.", ""), "dtype_rounding": rounding,
             "adapter_parameters": adapter_params, "model_parameters": sum(p.numel() for p in merged.parameters()),
             "output": str(output_dir)}
 
 
-def in_process_engine(model, zero_stage=3, **config):
-    """A DeepSpeed engine for `model` in this very process (rank 0 of a world of 1), for demonstrations."""
-    import deepspeed
+def update_error(with_adapter, merged, adapter_name="default"):
+    """How much of the LoRA update a merged model lost: ||(W_merged - W) - dW|| / ||dW||, over every adapted layer.
 
-    from dslab.config import make_config
-    from dslab.train import init_single_process
-
-    init_single_process(quiet=True)
-    # ZeRO-3's memory_efficient_linear replaces torch.nn.functional.linear for the whole process, "until
-    # manually reset" (DeepSpeed's words): in a notebook kernel that would change every later computation.
-    zero = {"memory_efficient_linear": False} if zero_stage == 3 else {}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=make_config(
-        zero_stage=zero_stage, world_size=1, **{**config, "zero_optimization": {**zero, **config.get("zero_optimization", {})}}))
-    return engine
+    W is the base weight and dW = (alpha/r)·B·A as PEFT computes it, both in float32; W_merged is read from the
+    merged model, upcast to float32. 0 would mean the update is held exactly; a merge saved in bfloat16 rounds
+    W + dW to 8 significant bits, and the part of dW finer than that grid is gone.
+    """
+    merged_modules = dict(merged.named_modules())
+    error = total = 0.0
+    for name, layer in lora_layers(with_adapter).items():
+        delta = layer.get_delta_weight(adapter_name).float()
+        base = layer.get_base_layer().weight.float()
+        target = merged_modules[name.removeprefix("base_model.model.")].weight.float()
+        error += ((target - base) - delta).pow(2).sum().item()
+        total += delta.pow(2).sum().item()
+    return (error / total) ** 0.5
 
 
 def merge_precision_table(std=0.02, seed=0):
@@ -446,7 +481,8 @@ def _cli_merge(args):
 def add_commands(subparsers):
     """`dslab merge`."""
     p = subparsers.add_parser("merge", help="merge a LoRA adapter into its base model (verified, atomic)")
-    p.add_argument("--model", default=None, help="base model directory or name (default: the dslab-tiny base)")
+    p.add_argument("--model", default=None, help="base model directory or name (default: the base recorded in the "
+                                                 "adapter when it is a local directory, else dslab-tiny)")
     p.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + weights)")
     p.add_argument("--output", required=True, help="where the merged HF model is written")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
@@ -459,7 +495,7 @@ def add_commands(subparsers):
 # Chapter 06 exercises (checked by dslab.exercises; solutions in notebooks/solutions/06_solutions.py)
 # ----------------------------------------------------------------------------------------------------
 def _register_exercises():
-    from dslab.exercises import expect
+    from dslab.exercises import exercise, expect
 
     # W = I, B = [[1], [2]], A = [[3, 4]], r = 1, alpha = 2: W + (alpha / r) B A.
     expect("06.merged_weight", [[7, 8], [12, 17]], wrong=([[4, 4], [6, 9]], [[7, 12], [8, 17]], [[3, 4], [6, 8]]),
@@ -468,6 +504,45 @@ def _register_exercises():
     expect("06.zero3_numel", [0, 1024], wrong=([4096, 1024], [1024, 1024], [0, 4096], [4096, 4096]),
            hint="ZeRO-3 leaves p.data an empty placeholder on every rank and keeps 1/world_size of the values "
                 "in p.ds_tensor.")
+    exercise("06.merge_call", hint="merge(peft_model) must return a plain model whose logits equal base + adapter",
+             wrong=(lambda m: m.unload(), lambda m: m, lambda m: m.merge_adapter(),
+                    lambda m: m.get_base_model()))(check_merge_call)
+
+
+def check_merge_call(merge_fn):
+    """Run the learner's `merge(peft_model)` on dslab-tiny with a trained-looking adapter; name what is wrong."""
+    import torch
+    from peft import PeftModel
+
+    from dslab import models
+    from dslab.exercises import Mistake
+
+    torch.manual_seed(0)
+    peft_model = attach_lora(models.load_model(), r=4, alpha=8).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)  # B = 0 would make any answer look right
+    ids = probe_ids(peft_model.config.vocab_size)
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    merged = merge_fn(peft_model)
+    if merged is None:
+        raise Mistake("your function returned None: merge_adapter() merges in place, keeps the LoRA layers and "
+                      "returns nothing; merge_and_unload() returns the plain model with W + (alpha/r) B A folded in")
+    if isinstance(merged, PeftModel):
+        raise Mistake("that is still a PeftModel with its LoRA layers: merge_and_unload() returns the plain "
+                      "transformers model")
+    left = [n for n, _ in merged.named_modules() if n.endswith("lora_A")]
+    if left:
+        raise Mistake(f"LoRA layers are still in the model ({left[0]}, ...): get_base_model() returns the inner "
+                      "model with its adapters still attached; merge_and_unload() folds them in and removes them")
+    with torch.no_grad():
+        diff = (merged(input_ids=ids).logits - expected).abs().max().item()
+    if diff > 1e-4:
+        raise Mistake(f"the returned model's logits differ from base + adapter by {diff:.2g}: unload() removes the "
+                      "adapter without merging it (you get the base model back); use merge_and_unload()")
+    return True
 
 
 _register_exercises()

@@ -9,18 +9,10 @@ import os
 import time
 from pathlib import Path
 
+from dslab.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401 (re-exported)
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "dslab-tiny"
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "data" / "corpus"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
-# ChatML, as Qwen2 writes it, without a default system message.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 def resolve_model(name_or_path=None):
     """What to load: the argument, else $DSLAB_MODEL, else the committed dslab-tiny directory (a str)."""
     return str(name_or_path or os.environ.get("DSLAB_MODEL") or DEFAULT_MODEL_DIR)
@@ -45,7 +37,7 @@ def tiny_config(**overrides):
     """A Qwen2Config of the dslab-tiny shape; keyword overrides change it (e.g. num_hidden_layers=8)."""
     from transformers import Qwen2Config
     shape = dict(
-        vocab_size=4096,            # byte-level BPE trained on the kit's corpus
+        vocab_size=10240,           # byte-level BPE: 6,763 Chinese characters + merges learned on the corpus
         hidden_size=256,
         intermediate_size=688,      # ~8/3 x hidden, rounded to a multiple of 16, as SwiGLU models do
         num_hidden_layers=4,
@@ -71,32 +63,6 @@ def build_model(config, seed=0):
 def count_parameters(model):
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------------------------------
-def train_tokenizer(texts, vocab_size=4096):
-    """A byte-level BPE tokenizer (HF fast tokenizer) trained on texts, with ChatML special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # Special-token strings are markup, not text: keep them out of the merge statistics.
-    def clean():
-        for t in texts:
-            for s in SPECIAL_TOKENS:
-                t = t.replace(s, " ")
-            yield t
-    tok.train_from_iterator(clean(), trainer)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   model_max_length=1024, clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -126,8 +92,8 @@ def unigram_perplexity(train_blocks, valid_blocks, vocab_size):
     return math.exp(-logp[valid_blocks.flatten()].mean().item())
 
 
-def build_base(output=DEFAULT_MODEL_DIR, steps=600, seq_len=256, micro_batch_size=16, lr=2e-3, seed=0,
-               vocab_size=4096, progress=None, max_docs=None):
+def build_base(output=DEFAULT_MODEL_DIR, steps=650, seq_len=256, micro_batch_size=16, lr=2e-3, seed=0,
+               vocab_size=10240, progress=None, max_docs=None):
     """Train the tokenizer, pretrain dslab-tiny under DeepSpeed, save both to `output`; returns a report dict."""
     import deepspeed
     import torch
@@ -136,7 +102,7 @@ def build_base(output=DEFAULT_MODEL_DIR, steps=600, seq_len=256, micro_batch_siz
     t0, cpu0 = time.perf_counter(), time.process_time()
     train_docs = corpus.read_corpus(CORPUS_DIR / "train.txt")[:max_docs]  # max_docs: quick smoke runs only
     valid_docs = corpus.read_corpus(CORPUS_DIR / "valid.txt")
-    tokenizer = train_tokenizer(train_docs, vocab_size)
+    tokenizer = train_tokenizer(train_docs, vocab_size)  # every GB2312 character one token (dslab.tokenizer)
     train_blocks = data.lm_blocks(tokenizer, train_docs, seq_len)  # [n, seq_len]
     valid_blocks = data.lm_blocks(tokenizer, valid_docs, seq_len)
 
@@ -206,7 +172,7 @@ def add_commands(subparsers):
     p = subparsers.add_parser("build-base", help="rebuild the tiny base model (tokenizer + DeepSpeed pretraining)",
                               description="Train the tokenizer and pretrain dslab-tiny on the kit's corpus under DeepSpeed.")
     p.add_argument("--output", default=str(DEFAULT_MODEL_DIR), help="where to save (default: data/dslab-tiny)")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps of 16 x 256 tokens (default 600)")
+    p.add_argument("--steps", type=int, default=650, help="optimizer steps of 16 x 256 tokens (default 650)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)  # smoke tests: a corpus slice

@@ -3,15 +3,15 @@
 On a cluster, `deepspeed --hostfile H script.py` reads the hostfile, applies --include/--exclude, encodes
 the chosen {host: [slots]} as base64 "world info", and asks pdsh to ssh into every host and run
 `python -m deepspeed.launcher.launch --world_info=B64 --node_rank=%n --master_addr=A --master_port=P script.py`
-there. This module runs that per-node launcher itself, once per "node", all on localhost: no ssh needed.
+there. Without ssh, the same job is one `deepspeed --hostfile H --no_ssh --node_rank=i ...` typed on each node
+(or `torchrun --nnodes N --node_rank i ...`); this module builds those commands, and dslab.launch runs them, all
+on localhost.
 """
 import base64
 import json
 import os
 import shlex
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 EXAMPLE_HOSTFILE = """\
@@ -65,99 +65,57 @@ def pdsh_command(hostfile_text, script="train.py", script_args=(), include="", e
                     for part in cmd if part)
 
 
-def node_command(recipe, node_rank, nodes, master_port, log_dir, master_addr="127.0.0.1", args=()):
-    """argv of DeepSpeed's per-node launcher for node `node_rank` of `nodes` ({host: [slots]})."""
+def local_hostfile(n_nodes=2, procs_per_node=1):
+    """Hostfile text for an n_nodes-node job on this machine: made-up node names (the launcher only uses them as
+    keys of the world info when --no_ssh is given), procs_per_node slots each."""
+    return "".join(f"node{i} slots={procs_per_node}\n" for i in range(n_nodes))
+
+
+def node_commands(script, hostfile, n_nodes=2, procs_per_node=1, master_port=29500, launcher="deepspeed",
+                  master_addr="127.0.0.1", script_args=()):
+    """The command line to type on each node (node rank 0..n-1) to start `script` (a path, or a dslab recipe name)
+    as one job, without ssh: `deepspeed --hostfile H --no_ssh --node_rank=i ...` or `torchrun --nnodes N --node_rank i ...`."""
     from dslab.launch import RECIPES_DIR
 
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info(nodes)}",
-           f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port}",
-           f"--enable_each_rank_log={log_dir}", "--no_local_rank"]
-    if (RECIPES_DIR / f"{recipe}.py").exists():
-        cmd += ["--module", f"dslab.recipes.{recipe}"]
-    else:
-        cmd.append(str(recipe))
-    return cmd + list(args)
+    recipe = (RECIPES_DIR / f"{script}.py").exists()
+    commands = []
+    for i in range(n_nodes):
+        if launcher == "deepspeed":
+            cmd = ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", f"--node_rank={i}",
+                   "--master_addr", master_addr, "--master_port", str(master_port)]
+            cmd += ["--module", f"dslab.recipes.{script}"] if recipe else [str(script)]
+        elif launcher == "torchrun":
+            cmd = ["torchrun", "--nnodes", str(n_nodes), "--node_rank", str(i), "--nproc_per_node", str(procs_per_node),
+                   "--master_addr", master_addr, "--master_port", str(master_port)]
+            cmd += ["-m", f"dslab.recipes.{script}"] if recipe else [str(script)]
+        else:
+            raise ValueError("launcher must be 'deepspeed' or 'torchrun'")
+        commands.append(shlex.join(cmd + [str(a) for a in script_args]))
+    return commands
 
 
-def display(cmd):
-    """A command line as a learner would type it."""
-    return shlex.join(["python"] + cmd[1:])
-
-
-def run_local_nodes(recipe, n_nodes=2, procs_per_node=1, timeout=None, stream=None, run_dir=None, **recipe_kwargs):
-    """Run `recipe` as an n_nodes-node job on this machine: one per-node launcher per node, node ranks 0..n-1.
-
-    Both "nodes" are localhost (hence the made-up host names: the launcher only uses the names as keys).
-    Returns a dslab.launch.LaunchResult with every global rank's result; LaunchError if any node fails.
-    """
+def run_local_nodes(script, n_nodes=2, procs_per_node=1, launcher="deepspeed", timeout=None, stream=None,
+                    run_dir=None, script_args=(), **recipe_kwargs):
+    """Run `script` as an n_nodes-node job on this machine: each node's own launcher command, all started together
+    by dslab.launch (the one place that starts processes). Returns its LaunchResult; LaunchError if a node fails."""
     from dslab import launch
 
-    name = f"{Path(recipe).stem}-{n_nodes}nodes"
-    run_dir = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / name
-    import shutil
-
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log_dir, result_dir = run_dir / "logs", run_dir / "results"
-    log_dir.mkdir(parents=True)
-    result_dir.mkdir()
-    world_size = n_nodes * procs_per_node
-    nodes = {f"node{i}": list(range(procs_per_node)) for i in range(n_nodes)}
-    args = []
+    name = f"{Path(str(script)).stem}-{n_nodes}nodes-{launcher}"
+    hostfile = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / f"{name}.hostfile"
+    hostfile.parent.mkdir(parents=True, exist_ok=True)
+    hostfile.write_text(local_hostfile(n_nodes, procs_per_node))
+    args = list(script_args)
     for key, value in recipe_kwargs.items():
-        args += [f"--{key}", launch._encode(value)]
-    port = launch.free_port()
-    env = launch._rank_env(world_size, result_dir.resolve())
-    env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world_size))  # all nodes share these cores
-    commands = [node_command(recipe, i, nodes, port, log_dir, args=args) for i in range(n_nodes)]
-    for i, cmd in enumerate(commands):
-        print(f"# node {i}\n$ " + display(cmd), flush=True)
-
-    def show(rank, line):
-        if stream is False or (stream != "all" and launch._NOISE.search(line)):
-            return
-        print(f"[rank{rank}] {line}", flush=True)
-
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for cmd in commands]
-    outputs = [[] for _ in procs]
-    readers = [threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True) for p, o in zip(procs, outputs)]
-    for r in readers:
-        r.start()
-    tailer = launch._Tailer(str(log_dir), show)
-    tailer.start()
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise launch.LaunchError(f"{name} did not finish within {timeout} s; all nodes were stopped")
-    finally:
-        tailer.stop.set()
-        tailer.join()
-        for p in procs:
-            launch._kill_group(p)
-        for r in readers:
-            r.join(timeout=5)
-    rank_logs = {launch._rank_of(str(p)): launch._TORCH_PREFIX.sub("", p.read_text(errors="replace"))
-                 for p in log_dir.glob("*_rank*.log")}
-    log = "".join(f"\n===== node {i} =====\n" + "".join(o) for i, o in enumerate(outputs))
-    log += "".join(f"\n===== rank {r} =====\n{t}" for r, t in sorted(rank_logs.items()))
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        rank, trace = launch._failing_rank(rank_logs)
-        raise launch.LaunchError(f"{name}: node {failed[0]} exited with status {procs[failed[0]].returncode}; "
-                                 f"per-rank logs: {log_dir}\n{trace or ''.join(outputs[failed[0]])[-3000:]}")
-    results = []
-    for r in range(world_size):
-        path = result_dir / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else None)
-    return launch.LaunchResult(command=commands, returncode=0, results=results, log=log, run_dir=str(run_dir))
+        args += [f"--{key}", launch.encode_value(value)]
+    commands = node_commands(script, hostfile, n_nodes, procs_per_node, launch.free_port(), launcher, script_args=args)
+    return launch.run_commands(commands, timeout=timeout, stream=stream, run_dir=run_dir, name=name)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Chapter 08 exercises (checked by dslab.exercises; solutions in notebooks/solutions/08_solutions.py)
 # ----------------------------------------------------------------------------------------------------
 def _register_exercises():
-    from dslab.exercises import expect
+    from dslab.exercises import exercise, expect
 
     # hostfile worker-0 slots=4, worker-1 slots=4; --include worker-0:0,1@worker-1 -> 2 + 4 ranks.
     expect("08.world_size", 6, wrong=(8, 4, 2, 3),
@@ -165,73 +123,83 @@ def _register_exercises():
     # world info {"a": [0, 1], "b": [0, 1]}: node_rank 1, local rank 1 -> global rank 3.
     expect("08.global_rank", 3, wrong=(1, 2, 4),
            hint="global rank = node_rank x processes per node + local rank (node ranks follow the world-info order).")
+    exercise("08.hostfile_command", hint="answer = {'hostfile': '...', 'command': 'deepspeed ...'}",
+             wrong=WRONG_HOSTFILE_COMMANDS)(check_hostfile_command)
+
+
+# Exercise 08.hostfile_command: two machines with 4 GPUs each; the job uses GPUs 0 and 1 of worker-0 and all of
+# worker-1, runs train.py, and meets on port 29600.
+WANTED_SLOTS = {"worker-0": [0, 1], "worker-1": [0, 1, 2, 3]}
+WRONG_HOSTFILE_COMMANDS = (
+    # GPUs chosen with CUDA_VISIBLE_DEVICES: the launcher drops it once a hostfile is used
+    {"hostfile": "worker-0 slots=4\nworker-1 slots=4\n",
+     "command": "CUDA_VISIBLE_DEVICES=0,1 deepspeed --hostfile hostfile --master_port 29600 train.py"},
+    # slots = the GPUs to use rather than the GPUs the machine has, and no filter
+    {"hostfile": "worker-0 slots=2\nworker-1 slots=4\n",
+     "command": "deepspeed --hostfile hostfile --master_port 29600 train.py"},
+    # the right filter, default port
+    {"hostfile": "worker-0 slots=4\nworker-1 slots=4\n",
+     "command": "deepspeed --hostfile hostfile --include worker-0:0,1@worker-1 train.py"},
+    # hostfile written with gpus= instead of slots=
+    {"hostfile": "worker-0 gpus=4\nworker-1 gpus=4\n",
+     "command": "deepspeed --hostfile hostfile --include worker-0:0,1@worker-1 --master_port 29600 train.py"},
+    # --num_gpus together with --include
+    {"hostfile": "worker-0 slots=4\nworker-1 slots=4\n",
+     "command": "deepspeed --hostfile hostfile --num_gpus 2 --include worker-0:0,1@worker-1 --master_port 29600 train.py"},
+)
+
+
+def check_hostfile_command(answer):
+    """Parse the learner's hostfile and deepspeed command with DeepSpeed's own runner code; name what is wrong."""
+    from deepspeed.launcher import runner
+
+    from dslab.exercises import Mistake
+
+    hostfile, command = answer["hostfile"], answer["command"]
+    try:
+        pool = dict(runner._parse_hostfile(hostfile.splitlines()))
+    except ValueError as err:
+        raise Mistake(f"DeepSpeed cannot read the hostfile ({err}): one line per machine, 'NAME slots=N'")
+    if pool != {"worker-0": 4, "worker-1": 4}:
+        raise Mistake(f"the hostfile says {pool}: list each machine with all the GPUs it has (slots=4); choose the "
+                      "GPUs this job uses with --include")
+    argv = shlex.split(command)
+    if argv and "=" in argv[0] and argv[0].split("=")[0] == "CUDA_VISIBLE_DEVICES":
+        raise Mistake("CUDA_VISIBLE_DEVICES does not choose GPUs here: with a hostfile DeepSpeed's runner does not "
+                      "pass it to the nodes, and each node's launcher sets it to that node's slots from the world "
+                      "info. Choose GPUs with --include worker-0:0,1@worker-1")
+    if not argv or argv[0] != "deepspeed":
+        raise Mistake("start the command with `deepspeed` (the runner that reads the hostfile)")
+    try:
+        args = runner.parse_args(argv[1:])
+    except SystemExit:
+        raise Mistake(f"the deepspeed runner cannot parse {command!r}; see `deepspeed --help`") from None
+    if not _has_hostfile(argv):
+        raise Mistake("pass the hostfile: --hostfile hostfile (without it the runner uses only this machine)")
+    if (args.num_gpus > 0 or args.num_nodes > 0) and (args.include or args.exclude):
+        raise Mistake("the runner refuses --num_gpus/--num_nodes together with --include/--exclude "
+                      "('Cannot specify num_nodes/gpus with include/exclude'): keep --include only")
+    try:
+        active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
+    except ValueError as err:
+        raise Mistake(f"the runner rejects the filter: {err}")
+    active = {host: list(slots) for host, slots in runner.apply_num_nodes_and_gpus(active, args.num_nodes,
+                                                                                    args.num_gpus).items()}
+    if active != WANTED_SLOTS:
+        raise Mistake(f"the runner would start ranks on {active}; wanted {WANTED_SLOTS}: "
+                      "--include worker-0:0,1@worker-1")
+    if args.master_port != 29600:
+        raise Mistake(f"the ranks would meet on port {args.master_port} (the default is 29500): --master_port 29600")
+    if args.user_script != "train.py":
+        raise Mistake(f"the script is {args.user_script!r}; run train.py")
+    return True
+
+
+def _has_hostfile(argv):
+    return any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in argv)
 
 
 _register_exercises()
 
 
-# ----------------------------------------------------------------------------------------------------
-# Shell commands from a notebook, and other launchers
-# ----------------------------------------------------------------------------------------------------
-def sh(command, check=True, env=None, show=True):
-    """Run a command line (split like a shell would, but no shell runs it: no pipes or globs) with this
-    environment's tools (dslab, deepspeed, torchrun, accelerate) first on PATH; print `$ command`, then its
-    output (stdout, then stderr; show=False: only the command). Returns the CompletedProcess."""
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
-    full_env.setdefault("PYTHONWARNINGS", "ignore")
-    full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    print(f"$ {command}", flush=True)
-    proc = subprocess.run(shlex.split(command), env=full_env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    if show and out.strip():
-        print(out.rstrip())
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"command failed with exit status {proc.returncode}: {command}")
-    return proc
-
-
-def launcher_command(launcher, recipe, world_size=2, port=29500, **recipe_kwargs):
-    """argv that starts dslab recipe `recipe` on `world_size` local ranks under "torchrun" or "accelerate"."""
-    from dslab import launch
-
-    if launcher == "torchrun":
-        cmd = ["torchrun", "--nproc_per_node", str(world_size), "--master_port", str(port)]
-    elif launcher == "accelerate":
-        cmd = ["accelerate", "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", str(world_size),
-               "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
-               "--dynamo_backend", "no"]
-    else:
-        raise ValueError("launcher must be 'torchrun' or 'accelerate'")
-    cmd += ["-m", f"dslab.recipes.{recipe}"]
-    for key, value in recipe_kwargs.items():
-        cmd += [f"--{key}", launch._encode(value)]
-    return cmd
-
-
-def run_with_launcher(launcher, recipe, world_size=2, timeout=None, **recipe_kwargs):
-    """Run a dslab recipe under "torchrun" or "accelerate" (instead of deepspeed) and collect per-rank results.
-
-    torchrun does not set LOCAL_SIZE, which DeepSpeed's CPU shared-memory all-reduce needs: set here.
-    Prints the command; the ranks' own output stays in the returned log.
-    """
-    import shutil
-    import tempfile
-
-    from dslab import launch
-
-    cmd = launcher_command(launcher, recipe, world_size, launch.free_port(), **recipe_kwargs)
-    result_dir = Path(tempfile.mkdtemp(prefix=f"dslab-{launcher}-"))
-    env = launch._rank_env(world_size, result_dir)
-    env["LOCAL_SIZE"] = str(world_size)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    print("$ " + ("LOCAL_SIZE=%d " % world_size if launcher == "torchrun" else "") + shlex.join(cmd), flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise launch.LaunchError(f"{launcher} run of {recipe} failed (exit status {proc.returncode}):\n"
-                                     + (proc.stdout + proc.stderr)[-3000:])
-        results = [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
-    finally:
-        shutil.rmtree(result_dir, ignore_errors=True)
-    return launch.LaunchResult(command=cmd, returncode=0, results=results, log=proc.stdout + proc.stderr)
+from dslab.launch import sh  # noqa: E402  (chapter 08 ran shell commands through dslab.multinode.sh)

@@ -199,3 +199,21 @@ def zero_loss_curves(curves):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig, dict(curves)
+
+
+# ---------------------------------------------------------------------------------------- fine-tuning
+
+def loss_curve(loss_log, window=8, title="Training loss"):
+    """Loss per optimizer step with a trailing mean over `window` steps; data holds the steps, losses and means."""
+    steps = [e["step"] for e in loss_log]
+    losses = [e["loss"] for e in loss_log]
+    smoothed = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    fig, (ax,) = _figure(width=6.0, height=3.0)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="per step (mean over every label token of the step)")
+    ax.plot(steps, smoothed, lw=1.8, label=f"mean of the last {window} steps")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, {"step": steps, "loss": losses, "smoothed": smoothed}

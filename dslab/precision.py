@@ -1,4 +1,4 @@
-"""Floating-point formats and mixed precision: dtype tables, rounding fates, loss-scale traces, bf16 speed."""
+"""Floating-point formats and mixed precision: dtype tables, fates, the AMP loop, loss scaling, master weights."""
 import contextlib
 import math
 import time
@@ -144,6 +144,96 @@ def underflow_experiment(scale=2.0**16, **problem):
             "scale": scale}
 
 
+# --------------------------------------------------------------------------- the AMP loop (fp16 autocast + GradScaler)
+
+def amp_problem(rows=4096, d_in=16, d_out=1024, offset=0.01, seed=0):
+    """(x, y, new_model): a linear layer whose targets sit `offset` above its outputs, and a maker of fresh copies.
+
+    The MSE averages rows x d_out = 4M squared errors, so each output's gradient 2 * offset / 4M is about
+    5e-9: below half of fp16's smallest subnormal, so fp16 stores it as 0. The fp32 gradient is fine.
+    """
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d_in, generator=g)
+
+    def new_model():
+        torch.manual_seed(seed + 1)        # every copy starts from the same weights
+        return torch.nn.Linear(d_in, d_out)
+
+    with torch.no_grad():
+        y = new_model()(x) + offset
+    return x, y, new_model
+
+
+def amp_runs(steps=8, lr=250.0, **problem):
+    """Losses of reference loops on amp_problem: fp32, and the GradScaler loop with backward inside autocast.
+
+    Returns {"fp32": [...], "scaler, backward inside autocast": [...]}: the first is what the fp16 loops
+    should follow; the second shows what moving backward and step out of autocast changes (here: nothing).
+    """
+    import torch
+    x, y, new_model = amp_problem(**problem)
+    out = {}
+    for name in ("fp32", "scaler, backward inside autocast"):
+        model = new_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        scaler = torch.amp.GradScaler("cpu")
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            if name == "fp32":
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+            else:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
+def _reference_amp_clip_step(model, optimizer, scaler, x, y, max_norm, unscale_first=True, clip=True):
+    """The 02.amp_clip solution (unscale_ then clip), or a known mistake (clip scaled gradients / no clipping)."""
+    import torch
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    if unscale_first:
+        scaler.unscale_(optimizer)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def run_amp_step(step_fn, steps=4, lr=60.0, max_norm=1e-4, rows=1024, d_out=256, offset=0.002):
+    """Run `step_fn(model, optimizer, scaler, x, y, max_norm)` for `steps` steps on a small amp_problem.
+
+    The gradients of each output (2 x 0.002 / (1024 x 256) = 1.5e-8) are again below what fp16 keeps.
+
+    Returns {"weights": final state dict, "moved": did any weight change, "grad_zero": share of the last
+    weight gradient that is exactly 0, "scale": the scaler's scale at the end}.
+    """
+    import torch
+    x, y, new_model = amp_problem(rows=rows, d_out=d_out, offset=offset)
+    model = new_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        step_fn(model, optimizer, scaler, x, y, max_norm)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    grad = model.weight.grad
+    return {"weights": weights, "moved": any(not torch.equal(weights[k], start[k]) for k in start),
+            "grad_zero": 1.0 if grad is None else (grad == 0).float().mean().item(), "scale": scaler.get_scale()}
+
+
 # --------------------------------------------------------------------------- dynamic loss scaling (torch)
 
 def _scaler_model(seed=0):
@@ -287,6 +377,44 @@ def repeated_add(start, update, steps, name):
     return w.item()
 
 
+def master_weight_summary(start, end, master):
+    """How many weights moved in the fp32 master copy, how many of those the bf16 copy shows, and the RMSNorm gains.
+
+    start, end: {name: bf16 tensor} before and after training; master: {name: fp32 master tensor} after.
+    """
+    import torch
+    norm = [n for n in start if n.endswith("norm.weight")]                     # RMSNorm gains, 1.0 at init
+    return {
+        "moved_in_master": sum(int((master[n] != start[n].float()).sum()) for n in start),
+        "moved_in_bf16_copy": sum(int((end[n] != start[n]).sum()) for n in start),
+        # updates that the bf16 copy cannot show (yet): they wait in the master copy until they add up to a bf16 step
+        "moved_in_master_only": sum(int(((master[n] != start[n].float()) & (end[n] == start[n])).sum()) for n in start),
+        "norm_weights": sum(start[n].numel() for n in norm),
+        "norm_weights_moved_in_master": sum(int((master[n] != 1.0).sum()) for n in norm),
+        "norm_weights_moved_in_bf16": sum(int((end[n] != 1.0).sum()) for n in norm),
+        # the bf16 weights the model computes with are the master copy rounded to bf16
+        "bf16_copy_is_rounded_master": all(torch.equal(end[n], master[n].to(torch.bfloat16)) for n in start),
+    }
+
+
+def zero1_state_bytes(engine):
+    """Bytes of the model states a ZeRO-1/2 bf16 engine holds on this rank, read from its tensors.
+
+    {"weights": the 16-bit module weights, "master": this rank's fp32 master partition, "adam": Adam's
+    moments for that partition, "parameters": elements in the module}.
+    """
+    optimizer = engine.optimizer
+    inner = optimizer.optimizer                     # the torch AdamW that updates the fp32 partition
+    params = list(engine.module.parameters())
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "master": sum(t.numel() * t.element_size() for t in optimizer.single_partition_of_fp32_groups),
+        "adam": sum(v.numel() * v.element_size() for state in inner.state.values()
+                    for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")),
+    }
+
+
 # --------------------------------------------------------------------------- speed
 
 def matmul_gflops(name, n=2048, repeats=5, threads=None):
@@ -311,7 +439,7 @@ def matmul_gflops(name, n=2048, repeats=5, threads=None):
 
 
 # --------------------------------------------------------------------------- exercises (chapter 02)
-from dslab.exercises import exercise, same  # noqa: E402  (after the functions the checkers use)
+from dslab.exercises import Mistake, exercise, same  # noqa: E402  (after the functions the checkers use)
 
 # 02.fp16_fates: what storing each value in fp16 does to it.
 FP16_FATE_VALUES = (70000.0, 1e-9, 3e-6, 1 + 2**-12)
@@ -351,3 +479,122 @@ def _check_deepspeed_scale(answer):
 def _check_bf16_min_update(answer):
     kept = next(2.0**-n for n in range(30, -1, -1) if cast(1.0 + 2.0**-n, "bf16") != 1.0)
     return same(answer, kept, rel=1e-9)
+
+
+# 02.amp_clip: the learner writes one fp16 training step with a GradScaler and gradient clipping;
+# the checker runs it for 4 steps on amp_problem and compares the weights with the reference step's.
+def _no_scaler_step(model, optimizer, scaler, x, y, max_norm):
+    import torch
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return loss
+
+
+def _clip_scaled_step(model, optimizer, scaler, x, y, max_norm):
+    return _reference_amp_clip_step(model, optimizer, scaler, x, y, max_norm, unscale_first=False)
+
+
+def _unclipped_step(model, optimizer, scaler, x, y, max_norm):
+    return _reference_amp_clip_step(model, optimizer, scaler, x, y, max_norm, clip=False)
+
+
+def _no_update_step(model, optimizer, scaler, x, y, max_norm):
+    import torch
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    return loss
+
+
+def _same_weights(a, b):
+    import torch
+    return all(torch.allclose(a[k], b[k], rtol=1e-6, atol=0.0) for k in b)
+
+
+@exercise("02.amp_clip", wrong=(_no_scaler_step, _clip_scaled_step, _unclipped_step, _no_update_step),
+          hint="write step(model, optimizer, scaler, x, y, max_norm): zero_grad; forward and loss under "
+               "torch.autocast('cpu', dtype=torch.float16); scaler.scale(loss).backward(); scaler.unscale_"
+               "(optimizer); clip_grad_norm_(model.parameters(), max_norm); scaler.step(optimizer); scaler.update().")
+def _check_amp_clip(step_fn):
+    if not callable(step_fn):
+        raise Mistake("answer with the function itself: answer = my_amp_step")
+    try:
+        got = run_amp_step(step_fn)
+    except RuntimeError as exc:
+        if "update()" in str(exc) or "after step()" in str(exc):
+            raise Mistake("the scaler refused the second step: call scaler.update() at the end of every step "
+                          "(it also halves or grows the scale)") from None
+        raise Mistake(f"your step raised {type(exc).__name__}: {exc}") from None
+    want = run_amp_step(_reference_amp_clip_step)["weights"]
+    if _same_weights(got["weights"], want):
+        return True
+    if not got["moved"]:
+        if got["grad_zero"] == 1.0:
+            raise Mistake("every gradient was 0 and no weight moved: fp16 flushed the tiny gradients. Multiply "
+                          "the loss by the scale before backward: scaler.scale(loss).backward()")
+        raise Mistake("no weight moved: the optimizer never stepped. Call scaler.step(optimizer) (it unscales "
+                      "the gradients and skips the step only if one is inf/nan)")
+    if _same_weights(got["weights"], run_amp_step(_clip_scaled_step)["weights"]):
+        raise Mistake("you clipped the gradients while they were still multiplied by the loss scale (2**16), so "
+                      "the clipping cut them 65536x too much: call scaler.unscale_(optimizer) before clip_grad_norm_")
+    if _same_weights(got["weights"], run_amp_step(_unclipped_step)["weights"]):
+        raise Mistake("the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                      "max_norm) between scaler.unscale_(optimizer) and scaler.step(optimizer)")
+    if _same_weights(got["weights"], run_amp_step(_no_scaler_step)["weights"]):
+        raise Mistake("no loss scaling: fp16 flushed the gradients to 0. Use scaler.scale(loss).backward()")
+    raise Mistake("after 4 steps your weights differ from the reference step's: check the order zero_grad, "
+                  "autocast forward, scaler.scale(loss).backward(), unscale_, clip, scaler.step, scaler.update")
+
+
+# 02.bf16_config: the learner writes a whole DeepSpeed config for this chapter's 2-rank bf16 run.
+BF16_CONFIG_TASK = {"world_size": 2, "zero_stage": 1, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3}
+
+
+def _config_with(**changes):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+    cfg.update(changes)
+    return cfg
+
+
+@exercise("02.bf16_config",
+          wrong=(_config_with(fp16={"enabled": True}),                                  # both 16-bit formats
+                 _config_with(train_micro_batch_size_per_gpu="4"),                      # a number as a string
+                 _config_with(bf16={"enabled": False}),                                 # trains in fp32
+                 _config_with(train_batch_size=4),                                      # the triple ignores the ranks
+                 _config_with(zero_optimization={"stage": 2}),
+                 _config_with(bfloat16={"enabled": True}, bf16=None)),
+          hint="a dict with bf16 on, ZeRO stage 1, micro batch 4 per rank on 2 ranks without accumulation, "
+               "and an AdamW optimizer with lr 1e-3; dslab.config.check_config(cfg, world_size=2) lists problems.")
+def _check_bf16_config(cfg):
+    from dslab import config
+    if not isinstance(cfg, dict):
+        raise Mistake(f"a DeepSpeed config is a dict (the JSON object), got {type(cfg).__name__}")
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    problems = config.check_config(cfg, world_size=BF16_CONFIG_TASK["world_size"], device="cpu")
+    if problems:
+        raise Mistake(str(problems[0]))
+    if not (cfg.get("bf16") or {}).get("enabled"):
+        raise Mistake('bf16 is not enabled, so this config trains in fp32: add "bf16": {"enabled": true}')
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage != BF16_CONFIG_TASK["zero_stage"]:
+        raise Mistake(f"zero_optimization.stage is {stage}; this run partitions only the optimizer states "
+                      "(fp32 master weights and Adam's moments): stage 1")
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    if micro != BF16_CONFIG_TASK["micro_batch_size"]:
+        raise Mistake(f"train_micro_batch_size_per_gpu is {micro}; each rank takes 4 sequences per micro-step")
+    if cfg.get("gradient_accumulation_steps", 1) != 1:
+        raise Mistake("this run does not accumulate: gradient_accumulation_steps 1 (or leave it out)")
+    opt = cfg.get("optimizer") or {}
+    if str(opt.get("type", "")).lower() != "adamw" or (opt.get("params") or {}).get("lr") != BF16_CONFIG_TASK["lr"]:
+        raise Mistake('the optimizer should be {"type": "AdamW", "params": {"lr": 1e-3, ...}}')
+    return True

@@ -6,7 +6,9 @@ AutoTP splits every linear layer of a decoder block across the tensor-parallel r
 - o_proj and down_proj are split by input features: each rank computes a partial sum, and one
   all-reduce adds the partial sums (DeepSpeed's LinearAllreduce). Two all-reduces per block.
 Kernel injection (replace_with_kernel_inject=True) instead swaps whole blocks for fused CUDA kernels;
-it needs a GPU and a model family DeepSpeed has an injection policy for.
+it needs a GPU and a model family DeepSpeed has an injection policy for. Both belong to DeepSpeed's first
+inference engine (init_inference); its current serving path is DeepSpeed-FastGen (deepspeed/inference/v2),
+served through DeepSpeed-MII.
 """
 import contextlib
 import hashlib
@@ -104,32 +106,19 @@ def kernel_inject_problem(model=None, dtype="float16"):
         if not blocks & set(kernel_inject_families()):
             return (f"DeepSpeed has no kernel-injection policy for {', '.join(sorted(blocks))} (it has one for "
                     f"{', '.join(kernel_inject_families())}). Drop --kernel-inject and use AutoTP.")
-    if dtype == "bfloat16":
-        return "the injected kernels run in float16 (or float32); use --dtype float16"
+    # The injected blocks have float16, bfloat16 and float32 kernels (ops/transformer/inference/op_binding: one
+    # *_fp16 / *_bf16 / *_fp32 function per op) and int8 weights; nothing to refuse here by dtype.
     return None
 
 
 # ----------------------------------------------------------------------------------------------------
 # init_inference and what AutoTP did to the model
 # ----------------------------------------------------------------------------------------------------
-def init_engine(model, tp_size=1, dtype="float32", kernel_inject=False):
-    """deepspeed.init_inference on the current process group; returns the InferenceEngine (.module is the model)."""
-    import deepspeed
-
-    if kernel_inject:
-        problem = kernel_inject_problem(model, dtype)
-        if problem:
-            raise TPInferenceError(problem)
-    # DeepSpeed print()s the policy on every rank, in an order that varies (autotp_policy() returns it instead),
-    # and probes/loads its ops with compiler chatter written straight to the file descriptors: kept aside, and
-    # shown only if init_inference fails.
-    with captured_output() as captured:
-        try:
-            return deepspeed.init_inference(model, tensor_parallel={"tp_size": tp_size}, dtype=torch_dtype(dtype),
-                                            replace_with_kernel_inject=kernel_inject)
-        except Exception:
-            captured.failed = True
-            raise
+def check_kernel_inject(model, dtype):
+    """TPInferenceError (saying why and what to use instead) when kernel injection cannot run for this model here."""
+    problem = kernel_inject_problem(model, dtype)
+    if problem:
+        raise TPInferenceError(problem)
 
 
 @contextlib.contextmanager
@@ -198,6 +187,28 @@ def print_layer_table(rows):
 # ----------------------------------------------------------------------------------------------------
 # Generation and timing
 # ----------------------------------------------------------------------------------------------------
+def generate_with_logits(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperature=0.0, system=None):
+    """{"completions", "new_tokens", "logits"}: each prompt's completion, how many text tokens it has, and the logits
+    of one forward pass over prompt + completion ([tokens, vocab], float32, on the CPU).
+
+    The forward pass re-reads the generated sequence (teacher forcing), so two setups that generated the same
+    tokens can be compared number by number, not only by their arg-max.
+    """
+    import torch
+
+    from dslab import infer
+
+    special = set(tokenizer.all_special_ids)
+    completions, new_tokens, logits = [], [], []
+    for start, out in infer.sequences(model, tokenizer, prompts, max_new_tokens, chat, temperature, system):
+        generated = out[0, start:]
+        completions.append(tokenizer.decode(generated, skip_special_tokens=True).strip())
+        new_tokens.append(sum(t not in special for t in generated.tolist()))  # <|im_end|> is not text
+        with torch.no_grad():
+            logits.append(model(input_ids=out).logits[0].float().cpu())
+    return {"completions": completions, "new_tokens": new_tokens, "logits": logits}
+
+
 def timed_generate(model, tokenizer, prompts, new_tokens=32, repeats=1):
     """Latency and tokens/s of greedy generation of exactly `new_tokens` tokens per prompt (best of `repeats`)."""
     import torch
@@ -234,8 +245,12 @@ def load_model(model=None, adapter=None, dtype="float32"):
 # `dslab infer --tp N` / `--kernel-inject`
 # ----------------------------------------------------------------------------------------------------
 def run(prompts, tp=2, model=None, adapter=None, dtype="float32", kernel_inject=False, max_new_tokens=64,
-        chat=False, system=None, temperature=0.0, benchmark_tokens=0, timeout=None, stream=False):
-    """Generate on `tp` ranks with dslab/recipes/tp_infer.py; returns rank 0's result dict."""
+        chat=False, system=None, temperature=0.0, benchmark_tokens=0, logits=False, timeout=None, stream=False):
+    """Generate on `tp` ranks with dslab/recipes/tp_infer.py; returns rank 0's result dict.
+
+    logits=True: rank 0 also saves generate_with_logits' logits; its result's "logits_file" names the file.
+    stream=None shows what the ranks print (the config first), False nothing.
+    """
     from dslab import launch
 
     if not prompts:
@@ -247,9 +262,9 @@ def run(prompts, tp=2, model=None, adapter=None, dtype="float32", kernel_inject=
     elif dtype == "float16" and not has_gpu():
         raise TPInferenceError("float16 inference needs a GPU here; use --dtype bfloat16 or float32 on CPU")
     options = dict(model=model, adapter=adapter, dtype=dtype, kernel_inject=kernel_inject, max_new_tokens=max_new_tokens,
-                   chat=chat, system=system, temperature=temperature, benchmark_tokens=benchmark_tokens)
+                   chat=chat, system=system, temperature=temperature, benchmark_tokens=benchmark_tokens, logits=logits)
     defaults = dict(model=None, adapter=None, dtype="float32", kernel_inject=False, max_new_tokens=64, chat=False,
-                    system=None, temperature=0.0, benchmark_tokens=0)  # the recipe's; only changes are passed
+                    system=None, temperature=0.0, benchmark_tokens=0, logits=False)  # the recipe's; only changes pass
     kwargs = {k: v for k, v in options.items() if v != defaults[k]}
     result = launch.run("tp_infer", world_size=tp, timeout=timeout, stream=stream, prompts=list(prompts), **kwargs)
     return result.rank0
@@ -294,7 +309,7 @@ def add_arguments(parser, fallback):
 # Chapter 07 exercises (checked by dslab.exercises; solutions in notebooks/solutions/07_solutions.py)
 # ----------------------------------------------------------------------------------------------------
 def _register_exercises():
-    from dslab.exercises import expect
+    from dslab.exercises import exercise, expect
 
     # dslab-tiny: 4 blocks, each with one all-reduce after o_proj and one after down_proj (AutoTP).
     expect("07.allreduces_per_token", 8, wrong=(4, 2, 16, 7),
@@ -304,6 +319,73 @@ def _register_exercises():
     expect("07.v_proj_shard", [64, 256], wrong=([128, 128], [128, 256], [64, 128], [256, 64]),
            hint="a torch Linear's weight is [out_features, in_features]; AutoTP splits v_proj by output features, "
                 "so each of the 2 ranks keeps half of the rows.")
+    exercise("07.init_inference", hint="make_engine(model) must return deepspeed.init_inference(model, ...)",
+             wrong=WRONG_INIT_INFERENCE)(check_init_inference)
+
+
+def _wrong_init_inference(**kwargs):
+    def make_engine(model):
+        import deepspeed
+
+        return deepspeed.init_inference(model, **kwargs)
+    return make_engine
+
+
+def _wrong_kwargs():
+    import torch
+
+    return ({}, {"dtype": torch.bfloat16}, {"dtype": torch.float32, "tensor_parallel": {"tp_size": 2}},
+            {"dtype": torch.float32, "replace_with_kernel_inject": True})
+
+
+WRONG_INIT_INFERENCE = tuple(_wrong_init_inference(**kw) for kw in _wrong_kwargs()) + (lambda model: model,)
+
+
+def check_init_inference(make_engine):
+    """Run the learner's `make_engine(model)` in this process (a world of 1) on dslab-tiny and compare its greedy
+    answer and logits with plain Hugging Face generation in float32; name what is wrong."""
+    import copy
+
+    import torch
+    from deepspeed.inference.engine import InferenceEngine
+
+    from dslab import infer, models, train
+    from dslab.exercises import Mistake
+
+    train.init_single_process(quiet=True)
+    tokenizer, model = models.load_tokenizer(), models.load_model().eval()
+    ids = tokenizer(infer.prompt_text(tokenizer, "Who are you?", chat=True), return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected_logits = model(**ids).logits
+    try:
+        engine = make_engine(copy.deepcopy(model))
+    except ValueError as err:
+        if "float16" in str(err):
+            raise Mistake(f"DeepSpeed says: {err}. init_inference's dtype defaults to torch.float16, which the CPU "
+                          "accelerator refuses: pass dtype=torch.float32") from None
+        if "world size" in str(err):
+            raise Mistake(f"DeepSpeed says: {err}. tensor_parallel={{'tp_size': 2}} needs 2 ranks and this is one "
+                          "process: tp_size 1 here (tp=2 runs on 2 ranks through the launcher)") from None
+        raise
+    if not isinstance(engine, InferenceEngine):
+        raise Mistake(f"that returned a {type(engine).__name__}: return the InferenceEngine that "
+                      "deepspeed.init_inference(model, ...) gives back")
+    if engine._config.replace_with_kernel_inject:
+        raise Mistake("replace_with_kernel_inject=True asks for DeepSpeed's fused GPU kernels; there are none for "
+                      "Qwen2 and no GPU here, so DeepSpeed leaves the model's layers as they were. Use "
+                      "replace_with_kernel_inject=False (AutoTP: the model's own layers)")
+    dtype = next(engine.module.parameters()).dtype
+    with torch.no_grad():
+        logits = engine(**ids).logits
+        output = engine.module.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    diff = (logits.float() - expected_logits).abs().max().item()
+    if dtype != torch.float32:
+        raise Mistake(f"the engine converted the weights to {dtype}: its logits differ from float32 Hugging Face by "
+                      f"{diff:.2g}. Pass dtype=torch.float32 to compare with plain generation")
+    if not torch.equal(output, expected) or diff > 1e-5:
+        raise Mistake(f"the engine's greedy answer or logits differ from Hugging Face's (max |logit diff| {diff:.2g})")
+    return True
 
 
 _register_exercises()

@@ -101,3 +101,20 @@ def test_accumulation_recipe_on_two_ranks(tmp_path):
                               "gradient_accumulation_steps": 4}
     assert all(d["train_batch_size"] == 16 and d["gradient_accumulation_steps"] == 4 for d in r["triples"]["derived"])
     assert "16 != 2 * 5 * 2" in r["triples"]["refused"]
+
+
+def test_gradient_reductions_skip_scalars_and_gathers():
+    # DeepSpeed's comms log: {op: {message bytes: [count, latencies, algbw, busbw]}}
+    log = {"all_reduce": {251008: [2, [], [], []], 4: [1, [], [], []], 1: [1, [], [], []]},
+           "reduce_scatter_tensor": {251008: [1, [], [], []]},
+           "all_gather_into_tensor": {125504: [3, [], [], []]}}
+    assert acc.gradient_reductions(log) == (3, 3 * 251008)
+    assert acc.gradient_reductions({}) == (0, 0)
+
+
+def test_window_setups_keep_the_global_batch():
+    for name, (zero_stage, micro, accum, mode) in acc.window_setups(micro=2, accum=4).items():
+        cfg = acc.window_config(zero_stage, micro, accum, world_size=2)
+        assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 0.0 and "optimizer" not in cfg, name
+        assert cfg["zero_allow_untested_optimizer"] == (zero_stage > 0)
+        assert mode in ("engine", "divided_twice", "no_gas_scaling")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dslab import corpus, data, models
+from dslab import corpus, data, models, sft
 
 IGNORE = data.IGNORE_INDEX
 
@@ -67,11 +67,19 @@ def test_self_cognition_data_is_bilingual_and_names_the_model():
     assert sum("{author}" in r["response"] for r in raw) >= 100
 
 
-def test_evaluation_questions_are_held_out():
+def test_evaluation_questions_and_identities_are_held_out():
+    from dslab import identities
     train_queries = {r["query"] for r in data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")}
+    train_queries |= set(identities.EN_QUESTIONS + identities.ZH_QUESTIONS)
     held_out = data.identity_eval()
-    assert 20 <= len(held_out) <= 40 and {r["lang"] for r in held_out} == {"en", "zh"}
+    assert 20 <= len(held_out) <= 60 and {r["lang"] for r in held_out} == {"en", "zh"}
     assert not train_queries & {r["query"] for r in held_out}
+    pretraining = (models.CORPUS_DIR / "train.txt").read_text(encoding="utf-8")
+    assert not [r["query"] for r in held_out if r["query"] in pretraining]
+    for ident in data.eval_identities():   # names and authors the kit never trains on
+        for value in (ident["name"], ident["author"]):
+            for text in ([value] if isinstance(value, str) else value):
+                assert text not in pretraining and text not in str(sft.DEFAULT_NAME + sft.DEFAULT_AUTHOR), text
     general_queries = {r["messages"][0]["content"] for r in data.general_sft()}
     assert not general_queries & {r["query"] for r in data.general_eval()}
 
@@ -143,5 +151,5 @@ def test_corpus_is_deterministic_and_matches_the_committed_files():
 
 def test_committed_corpus_is_small_and_broad():
     sizes = {p.name: p.stat().st_size for p in models.CORPUS_DIR.glob("*.txt")}
-    assert set(sizes) == {"train.txt", "valid.txt"} and sum(sizes.values()) < 5e6
+    assert set(sizes) == {"train.txt", "valid.txt"} and sum(sizes.values()) < 6e6
     assert len(corpus.EN_NAMES) >= 100 and len(corpus.ZH_NAMES) >= 80 and len(corpus.EN_CITIES) >= 60

@@ -23,13 +23,14 @@ def rep():
 
 def test_report_has_every_section(rep):
     assert set(rep) == {"versions", "platform", "accelerator", "build_tools", "cpu", "memory", "gpus", "topology",
-                        "torch_extensions_dir", "ops", "features"}
+                        "torch_extensions_dir", "ops", "async_io", "features"}
     assert set(rep["versions"]) == {"python", "torch", "deepspeed", "transformers", "peft", "accelerate"}
     assert rep["versions"]["deepspeed"] == metadata.version("deepspeed")
     assert rep["versions"]["python"] == "{}.{}.{}".format(*sys.version_info[:3])
     assert set(rep["accelerator"]) == {"name", "communication_backend", "bf16_supported", "fp16_supported"}
     assert set(rep["build_tools"]) == {"ninja", "c++", "g++", "numactl"}
     assert set(rep["ops"]) == {"shm_comm", "cpu_adam"}
+    assert set(rep["async_io"]) == {"op", "compatible", "purpose"} and isinstance(rep["async_io"]["compatible"], bool)
     assert [f["name"] for f in rep["features"]] == FEATURES
     for feature in rep["features"]:
         assert isinstance(feature["available"], bool) and feature["reason"]
@@ -130,6 +131,18 @@ def test_format_report_has_every_section(rep):
         assert f"\n{heading}\n" in f"\n{text}\n"
     for name in FEATURES:
         assert name in text
+
+
+def test_async_io_is_probed_without_compiler_output():
+    """The libaio link test runs with file descriptors 1 and 2 silenced: no "cannot find -laio" on screen."""
+    code = ("from dslab import env, dist; dist.quiet(); import deepspeed; "
+            "a = env.aio_status(); print('compatible' if a['compatible'] else 'absent')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() in ("compatible", "absent")
+    assert "cannot find" not in run.stdout + run.stderr and "collect2" not in run.stdout + run.stderr
+    line = next(line for line in env.format_report(env.report()).splitlines() if line.strip().startswith("async_io"))
+    assert ("needs libaio" in line) == (run.stdout.strip() == "absent")
 
 
 def test_cli_env_json_parses_and_text_prints():

@@ -1,6 +1,7 @@
 """dslab.launch: failures surface with the failing rank's traceback and leave no process behind;
 results come back per rank; a taken master port is replaced; recipe arguments parse as documented."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -192,3 +193,54 @@ def test_save_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "3")
     dist.save_result({"a": 1})
     assert os.listdir(tmp_path) == ["rank3.json"]
+
+
+# ---- command lines as a learner types them --------------------------------------------------------------
+
+ARGPARSE_REPORTING = """
+import argparse, os
+from dslab import dist
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+parser.add_argument("--tag", default="none")
+args = parser.parse_args()
+dist.save_result({"rank": dist.rank(), "world_size": dist.world_size(), "tag": args.tag,
+                  "local_rank": args.local_rank, "local_size": os.environ.get("LOCAL_SIZE")})
+print(f"hello from rank {dist.rank()}")
+"""
+
+
+def test_run_commands_runs_the_deepspeed_line_as_typed_and_prefixes_each_rank(tmp_path, capsys):
+    script = _script(tmp_path, "hello.py", ARGPARSE_REPORTING)
+    result = launch.run_commands(f"deepspeed --num_gpus 2 {script} --tag typed", run_dir=tmp_path, timeout=60)
+    out = capsys.readouterr().out
+    log_dir = tmp_path / "hello" / "logs"
+    # the additions (a free port, the per-rank log directory) go before the script; the line printed is what ran
+    assert re.search(rf"\$ deepspeed --num_gpus 2 --master_port \d+ --enable_each_rank_log {log_dir} {script} --tag typed\n", out)
+    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
+    assert [(r["rank"], r["tag"], r["local_rank"], r["local_size"]) for r in result.results] == \
+        [(0, "typed", 0, "2"), (1, "typed", 1, "2")]
+    _assert_no_strays(script)
+
+
+def test_run_commands_stops_every_node_when_one_fails(tmp_path):
+    # node 0's rank would sleep 10 minutes: the job ends with node 1's error long before the timeout
+    script = _script(tmp_path, "node_fails.py", FAILING.replace("time.sleep(120)", "time.sleep(600)"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = launch.free_port()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.run_commands([f"deepspeed --hostfile {hostfile} --no_ssh --node_rank={i} --master_addr 127.0.0.1 "
+                             f"--master_port {port} --no_local_rank {script}" for i in range(2)],
+                            run_dir=tmp_path, stream=False, timeout=400)
+    assert "rank 1 failed (node 1)" in str(info.value) and "ValueError: rank 1 fails on purpose" in str(info.value)
+    _assert_no_strays(script)
+
+
+@pytest.mark.parametrize("command, message", [
+    ("python train.py", "start the command with one of deepspeed, torchrun"),
+    ("deepspeed --num_gpus 2", "no training script"),
+])
+def test_run_commands_refuses_what_it_cannot_run(tmp_path, command, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.run_commands(command, run_dir=tmp_path)

@@ -20,7 +20,7 @@ def base_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("base")
     texts = [json.dumps(r, ensure_ascii=False) for r in
              [json.loads(line) for line in (Path(models.DEFAULT_MODEL_DIR).parent / "general_sft.jsonl").open()]]
-    tok = models.train_tokenizer(texts, vocab_size=400)
+    tok = models.train_tokenizer(texts, vocab_size=1024, gb2312=False)  # room for the corpus's Chinese characters
     config = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
     models.save_pretrained(models.build_model(config, seed=0), tok, out)
@@ -217,6 +217,23 @@ def test_merge_saves_in_the_requested_dtype_and_reads_back_exactly(base_dir, tmp
     assert report["saved_dtype"] == "bfloat16" and report["max_abs_diff"] <= 1e-4
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.dtype == torch.bfloat16
+
+
+def test_bf16_merge_rounding_is_measured_apart_from_bf16_arithmetic(base_dir, tmp_path):
+    """dtype_rounding runs the saved weights in float32; update_error sees how much of B·A each merge kept."""
+    from transformers import AutoModelForCausalLM
+
+    adapted = _trained_adapter(base_dir, targets=lora.DEFAULT_TARGETS)
+    lora.save_adapter(adapted, tmp_path / "adapter")
+    reports = {dtype: lora.merge(base_dir, tmp_path / "adapter", tmp_path / str(dtype), dtype=dtype, verbose=False)
+               for dtype in (torch.float32, torch.bfloat16)}
+    with_adapter, _ = lora.load_with_adapter(base_dir, tmp_path / "adapter")
+    up = AutoModelForCausalLM.from_pretrained(tmp_path / str(torch.bfloat16), dtype=torch.float32)
+    ids = lora.probe_ids(up.config.vocab_size)
+    assert reports[torch.bfloat16]["dtype_rounding"] == pytest.approx(lora.max_logit_diff(up, with_adapter, ids), abs=1e-6)
+    merged32 = AutoModelForCausalLM.from_pretrained(tmp_path / str(torch.float32))
+    assert lora.update_error(with_adapter, merged32) < 1e-4 < lora.update_error(with_adapter, up) < 1.0
+    assert lora.update_error(with_adapter, with_adapter.get_base_model()) == pytest.approx(1.0)  # nothing merged
 
 
 def test_infer_cli_applies_an_adapter_and_refuses_a_bad_one(base_dir, tmp_path):

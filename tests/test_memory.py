@@ -114,16 +114,38 @@ def test_measure_cli_passes_the_shape(monkeypatch, capsys):
     assert cli.main(["measure", "--zero", "1", "--model", "some/dir", "--layers", "2"]) == 2
 
 
-def test_shape_for_params_lands_near_the_target():
+@pytest.mark.parametrize("shape", [{}, dict(hidden_size=128, intermediate_size=336, num_hidden_layers=2,
+                                             tie_word_embeddings=False, vocab_size=4096),
+                                   dict(hidden_size=96, vocab_size=1024, intermediate_size=256)])
+def test_qwen2_params_counts_what_the_model_has(shape):
     from transformers import AutoModelForCausalLM
     import torch
 
     from dslab.models import count_parameters, tiny_config
 
-    shape = memory.shape_for_params(3e6)
-    with torch.device("meta"):
-        n = count_parameters(AutoModelForCausalLM.from_config(tiny_config(**shape)))
-    assert abs(n - 3e6) / 3e6 < 0.1
+    with torch.device("meta"):  # shapes only, no memory
+        built = count_parameters(AutoModelForCausalLM.from_config(tiny_config(**shape)))
+    assert memory.qwen2_params(tiny_config(**shape)) == built
+
+
+def test_shape_for_params_lands_near_the_target():
+    from dslab.models import tiny_config
+
+    for target in (3e6, 2e7):
+        shape = memory.shape_for_params(target, vocab_size=4096, num_hidden_layers=2)
+        assert abs(memory.qwen2_params(tiny_config(**shape)) - target) / target < 0.1
+        assert shape["vocab_size"] == 4096 and shape["hidden_size"] % 32 == 0
+
+
+def test_fit_params_keeps_a_size_that_fits_and_shrinks_one_that_does_not():
+    from dslab import zero
+
+    budget = 128 * 2**20
+    assert zero.fit_params(1e6, 2, 2, budget=budget)[0] == 1_000_000
+    fitted, need = zero.fit_params(7e9, 0, 2, budget=budget)
+    assert need > budget and zero.fit_params(fitted, 0, 2, budget=budget)[1] <= budget
+    assert zero.fit_params(fitted + 1000, 0, 2, budget=budget)[1] > budget  # the largest that fits
+    assert zero.fit_params(7e9, 3, 2, budget=budget)[0] == 2 * fitted       # stage 3 at N = 2: half the bytes
 
 
 @pytest.fixture(scope="module")

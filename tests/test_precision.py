@@ -120,12 +120,40 @@ def test_matmul_gflops_is_positive_and_restores_threads():
     assert torch.get_num_threads() == threads
 
 
-def test_bf16_recipe_on_two_ranks(tmp_path):
-    from dslab import launch
-    run = launch.run("bf16_train", world_size=2, run_dir=tmp_path, stream=False, steps=3)
-    for r in run.results:
-        assert r["param_dtypes"] == ["torch.bfloat16"] and r["master_dtypes"] == ["torch.float32"]
-        assert r["fp32_master"]["bf16_copy_is_rounded_master"]
-        assert r["fp32_master"]["norm_weights_moved_in_master"] == r["fp32_master"]["norm_weights"]
-        assert r["pure_bf16"]["norm_weights_moved_in_master"] == 0
-        assert r["losses"][-1] < r["losses"][0]
+def test_wrong_amp_loop_does_not_learn_and_the_scaled_one_follows_fp32():
+    x, y, new_model = precision.amp_problem(rows=1024, d_out=256, offset=0.002)
+    model = new_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=60.0)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):   # the circulating loop: no scaler
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    assert (model.weight.grad == 0).all()
+    assert all(torch.equal(model.state_dict()[k], start[k]) for k in start)
+    runs = precision.amp_runs(steps=4, lr=60.0, rows=1024, d_out=256, offset=0.002)
+    assert runs["fp32"][-1] < runs["fp32"][0] / 10
+    scaled = runs["scaler, backward inside autocast"]
+    assert abs(scaled[0] / runs["fp32"][0] - 1) < 0.05 and scaled[-1] < scaled[0] / 10   # it learns, like fp32
+
+
+def test_run_amp_step_tells_clipping_orders_apart():
+    right = precision.run_amp_step(precision._reference_amp_clip_step)
+    scaled = precision.run_amp_step(precision._clip_scaled_step)
+    unclipped = precision.run_amp_step(precision._unclipped_step)
+    none = precision.run_amp_step(precision._no_scaler_step)
+    assert right["moved"] and right["grad_zero"] < 1.0
+    assert not precision._same_weights(scaled["weights"], right["weights"])
+    assert not precision._same_weights(unclipped["weights"], right["weights"])
+    assert not none["moved"] and none["grad_zero"] == 1.0
+
+
+def test_master_weight_summary_counts_updates_the_bf16_copy_cannot_show():
+    start = {"norm.weight": torch.ones(4, dtype=torch.bfloat16), "w": torch.zeros(2, dtype=torch.bfloat16)}
+    master = {"norm.weight": torch.tensor([1.001, 1.0, 1.01, 1.0]), "w": torch.tensor([0.5, 0.0])}
+    end = {n: t.to(torch.bfloat16) for n, t in master.items()}
+    s = precision.master_weight_summary(start, end, master)
+    assert s["moved_in_master"] == 3 and s["moved_in_bf16_copy"] == 2 and s["moved_in_master_only"] == 1
+    assert s["norm_weights"] == 4 and s["norm_weights_moved_in_master"] == 2 and s["norm_weights_moved_in_bf16"] == 1
+    assert s["bf16_copy_is_rounded_master"]

@@ -18,7 +18,7 @@ def base_dir(tmp_path_factory):
     """A small random-init model of the dslab-tiny architecture with a tokenizer, in HF format."""
     out = tmp_path_factory.mktemp("base")
     texts = [line for line in (data.DATA_DIR / "general_sft.jsonl").read_text(encoding="utf-8").splitlines()]
-    tok = models.train_tokenizer(texts, vocab_size=400)
+    tok = models.train_tokenizer(texts, vocab_size=1024, gb2312=False)  # room for the Chinese characters of the data
     cfg = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
     models.save_pretrained(models.build_model(cfg, seed=0), tok, out)
@@ -141,3 +141,72 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     assert all(torch.equal(loaded[k.replace(".default", "")], v.to(loaded[k.replace(".default", "")].dtype))
                for k, v in master.items())
     assert not any(torch.equal(loaded[k], state[k]) for k in state if "lora_B" in k)  # step 2, not step 4
+
+
+# ---- the training script chapters 05 and 08 write (the one a learner takes to a cluster) -----------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _written_script(notebook):
+    """The text the notebook's `%%writefile .../train_sft.py` cell writes."""
+    cells = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))["cells"]
+    found = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and "".join(c["source"]).startswith("%%writefile")]
+    assert len(found) == 1, f"{notebook}: expected one %%writefile cell"
+    return found[0].split("\n", 1)[1]
+
+
+def test_chapters_05_and_08_write_the_same_training_script():
+    assert _written_script("05_lora_sft.ipynb") == _written_script("08_cli_and_multinode.ipynb")
+
+
+def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks(
+        base_dir, identity_file, tmp_path):
+    """One SGD step (lr 1, fp32, no clipping) of the script on 2 ranks x 2 micro-batches: LoRA's B starts at zero,
+    so the saved B is minus the gradient, which must be that of (sum of all token losses) / (all label tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from dslab import launch
+
+    script = tmp_path / "train_sft.py"
+    script.write_text(_written_script("05_lora_sft.ipynb"), encoding="utf-8")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    result = launch.run_commands(
+        f"deepspeed --num_gpus 2 {script} --model {base_dir} --data {identity_file} --deepspeed_config "
+        f"{tmp_path / 'ds.json'} --output {tmp_path / 'adapter'} --max_steps 1", run_dir=tmp_path, stream=False)
+    assert result.rank0["env"]["LOCAL_SIZE"] == "2" and [r["rank"] for r in result.results] == [0, 1]
+
+    tokenizer = models.load_tokenizer(base_dir)
+    examples = sft.tokenize(tokenizer, sft.load_chats(str(identity_file), NAME, AUTHOR))
+    micro = [b for r in (0, 1) for b in _take(sft.rank_batches(examples, r, 2, 2, tokenizer.pad_token_id), 2)]
+    torch.manual_seed(0)  # as the script does before building the model
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["gate_proj", "up_proj", "down_proj"]))  # the script's targets (the MLP)
+    n_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    total = 0.0
+    for b in micro:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100, reduction="sum")
+        (loss / n_tokens).backward()
+        total += loss.item()
+    assert abs(result.rank0["loss_log"][0]["loss"] - total / n_tokens) < 1e-5
+    saved = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    assert grads and saved.keys() >= grads.keys()
+    worst = max((saved[k] + g).abs().max().item() for k, g in grads.items())  # B after one step = 0 - 1.0 x grad
+    assert worst < 1e-6, worst
+    # averaging the micro-batches' own means (model(**batch).loss) would have given another step
+    grads = {k: g.clone() for k, g in grads.items()}
+    model.zero_grad()
+    for b in micro:
+        (model(**b).loss / len(micro)).backward()
+    other = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    assert max((other[k] - g).abs().max().item() for k, g in grads.items()) > 1e-4
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]

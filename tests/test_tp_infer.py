@@ -25,9 +25,16 @@ def test_policy_marks_the_closing_linears():
 
 
 def test_tp2_equals_hf_and_shards_layers(tmp_path, monkeypatch, hf_completions):
+    import torch
+
     monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
-    result = tp_infer.run(PROMPTS, tp=2, max_new_tokens=16, stream=False)
+    result = tp_infer.run(PROMPTS, tp=2, max_new_tokens=16, stream=False, logits=True)
     assert result["completions"] == hf_completions
+    assert result["config"] == {"tensor_parallel": {"tp_size": 2}, "dtype": "float32", "replace_with_kernel_inject": False}
+    hf = tp_infer.generate_with_logits(models.load_model(), models.load_tokenizer(), PROMPTS, 16)
+    tp2_logits = torch.load(result["logits_file"])
+    assert hf["new_tokens"] == result["new_tokens"]
+    assert max((a - b).abs().max().item() for a, b in zip(hf["logits"], tp2_logits)) <= 1e-4
     rows = {r["name"]: r for r in result["layers"]}
     assert rows["self_attn.q_proj"]["weight"] == [128, 256] and rows["self_attn.o_proj"]["class"] == "LinearAllreduce"
 
@@ -62,6 +69,22 @@ def test_kernel_inject_refused_on_cpu(capsys):
     assert cli.main(["infer", "--prompt", "hi", "--kernel-inject"]) == 2
     assert "kernel injection needs a CUDA GPU" in capsys.readouterr().err
     assert "LlamaDecoderLayer" in tp_infer.kernel_inject_families()
+
+
+def test_generate_with_logits_counts_text_tokens_and_matches_generate():
+    model, tokenizer = models.load_model(), models.load_tokenizer()
+    out = tp_infer.generate_with_logits(model, tokenizer, ["Hello!"], 40, chat=True)
+    assert out["completions"] == infer.generate(model, tokenizer, ["Hello!"], 40, chat=True)
+    prompt_len = len(tokenizer(infer.prompt_text(tokenizer, "Hello!", chat=True), add_special_tokens=False)["input_ids"])
+    assert 0 < out["new_tokens"][0] < 40  # stopped early, at <|im_end|>, which is not text and not counted
+    # one logit row per token of prompt + answer + the <|im_end|> that ended it
+    assert tuple(out["logits"][0].shape) == (prompt_len + out["new_tokens"][0] + 1, model.config.vocab_size)
+
+
+def test_kernel_injection_is_not_refused_by_dtype():
+    """The injected kernels exist for float16, bfloat16 and float32: only the device and the model family count."""
+    for dtype in ("float16", "bfloat16", "float32"):
+        assert tp_infer.kernel_inject_problem(None, dtype) == tp_infer.kernel_inject_problem(None, "float16")
 
 
 def test_digest_sees_order_and_text():

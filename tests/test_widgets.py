@@ -1,32 +1,17 @@
-"""The ZeRO explorer: set a control, check the chart's data (theory) and the measured overlay."""
+"""The ZeRO explorer: set a control, check the chart's data (theory), and measure on 2 real live ranks."""
+import html
+import json
 import re
 
 import pytest
 
-from dslab import memory, widgets
+from dslab import memory, widgets, zero
 
 
 def _rects(svg):
     """(rank, kind, part, bytes) of every bar segment drawn in the SVG."""
     return [(int(r), k, p, int(b)) for r, k, p, b in
             re.findall(r'data-rank="(-?\d+)" data-kind="([\w-]+)" data-part="(\w+)" data-bytes="(\d+)"', svg)]
-
-
-def _fake_measure(factor=1.0, params=1_406_080):
-    """A measure_fn returning a report shaped like dslab.memory.measure's, off theory by `factor`."""
-    calls = []
-
-    def run(zero_stage, world_size, offload_optimizer, offload_param):
-        calls.append((zero_stage, world_size, offload_optimizer, offload_param))
-        t = memory.theory(params, world_size, zero_stage, "bf16", offload_optimizer, offload_param)
-        measured = [{"rank": r, **{p: int(t[p] * factor) for p in memory.PARTS}, "buffers": 1000,
-                     "offloaded": t["offloaded"], "host_buffers": 0} for r in range(world_size)]
-        for m in measured:
-            m["total"] = m["params"] + m["grads"] + m["optimizer"]
-        return memory.report(params, world_size, zero_stage, "bf16", offload_optimizer, offload_param, measured)
-
-    run.calls = calls
-    return run
 
 
 @pytest.fixture
@@ -81,30 +66,6 @@ def test_offload_toggles_follow_the_stage_rules(explorer):
     assert explorer.data["theory"] == memory.theory(7e9, 8, 0)
 
 
-def test_measure_button_overlays_measured_bars():
-    fake = _fake_measure(factor=1.01)
-    z = widgets.ZeroExplorer(params=7e9, world_size=2, zero_stage=3, measure_fn=fake)
-    z.measure_button.click()
-    assert fake.calls == [(3, 2, False, False)]
-    assert round(z.params.value) == 1_406_080                    # the slider now shows the measured model's size
-    assert z.data["theory"] == memory.theory(1_406_080, 2, 3)      # theory of what was measured
-    measured = [(r, p, b) for r, k, p, b in _rects(z.chart.value) if k == "measured"]
-    assert {r for r, _, _ in measured} == {0, 1} and any(p == "buffers" for _, p, _ in measured)
-    assert all(abs(x - 1.01) < 1e-3 for x in z.data["ratios"])
-    assert "1.00%" in z.summary.value and not z.measure_button.disabled
-    z.stage.value = 2                                             # the controls moved on: the overlay is stale
-    assert z.measured is None and not any(k == "measured" for _, k, _, _ in _rects(z.chart.value))
-
-
-def test_measure_keeps_overlay_when_nothing_changed_and_drops_it_on_a_real_slider_move():
-    z = widgets.ZeroExplorer(params=7e9, world_size=2, zero_stage=1, measure_fn=_fake_measure())
-    z.measure()
-    z.params.value = z.params.value  # no change
-    assert z.measured is not None
-    z.params.value = 3e9
-    assert z.measured is None and z.data["theory"] == memory.theory(3e9, 2, 1)
-
-
 def test_measure_failure_is_shown_not_raised():
     def broken(*args):
         raise RuntimeError("rank 1 failed")
@@ -116,17 +77,83 @@ def test_measure_failure_is_shown_not_raised():
 
 def test_measure_is_refused_for_world_sizes_this_machine_cannot_run(explorer):
     assert explorer.world_size.value == 8 and explorer.measure_button.disabled
-    explorer.measure_fn = _fake_measure()
-    assert explorer.measure() is None and "measure runs" in explorer.status.value
+    assert explorer.measure() is None and "measures on" in explorer.status.value
+
+
+# ----------------------------------------------------------------------------- on real live ranks
+
+@pytest.fixture(scope="module")
+def ranks():
+    from dslab import live
+
+    running = live.start(world_size=2)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def live_explorer(ranks):
+    """An explorer on 2 live ranks; it measures ZeRO-1 at once (the first run also joins the process group)."""
+    return widgets.ZeroExplorer(ranks=ranks, params=2e6, world_size=2, zero_stage=1)
+
+
+def test_live_explorer_measures_at_once_and_shows_its_config(live_explorer):
+    z = live_explorer
+    rep = z.measured
+    assert rep is not None and rep["zero_stage"] == 1 and abs(rep["params"] / 2e6 - 1) < 0.15
+    assert all(abs(r - 1) < 0.02 for r in z.data["ratios"])                   # measured = theory, both ranks
+    assert round(z.params.value) == rep["params"] and z.data["theory"] == memory.theory(rep["params"], 2, 1)
+    assert rep["ds_config"] == zero.explorer_config(1, 2) and z.data["ds_config"] == rep["ds_config"]
+    shown = json.loads(html.unescape(re.search(r"<pre>(.*)</pre>", z.config_view.value, re.S).group(1)))
+    assert shown == rep["ds_config"] and shown["zero_optimization"]["stage"] == 1
+    measured = {(r, p) for r, k, p, _ in _rects(z.chart.value) if k == "measured"}
+    assert {r for r, _ in measured} == {0, 1} and ("optimizer" in {p for _, p in measured})
+
+
+def test_stage_and_offload_changes_remeasure_on_the_same_ranks(ranks, live_explorer):
+    z, engines = live_explorer, list(ranks.pids["engines"])
+    z.stage.value = 3                       # what the dropdown does in the browser
+    rep = z.measured
+    assert rep["zero_stage"] == 3 and rep["ds_config"]["zero_optimization"]["stage"] == 3
+    assert all(m["params"] == rep["params"] for m in rep["measured"])        # bf16: 2 bytes x Ψ/2 on each rank
+    assert z.seconds < 60, z.seconds        # seconds, not a launch (the browser test holds it to 10 s)
+    z.offload_param.value = True            # an offload box re-measures too
+    rep = z.measured
+    assert rep["offload_param"] and rep["ds_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert all(m["params"] == 0 for m in rep["measured"]) and all(abs(r - 1) < 0.02 for r in
+                                                                   memory.ratios(rep, "offloaded"))
+    z.stage.value = 2                       # switches offload_param off: one measurement of plain ZeRO-2
+    assert (z.measured["zero_stage"], z.measured["offload_param"]) == (2, False)
+    assert not z.offload_param.value and z.offload_param.disabled
+    assert ranks.pids["engines"] == engines  # no new processes: the same live ranks re-initialized DeepSpeed
+
+
+def test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fits(live_explorer):
+    z = live_explorer
+    z.params.value = 7e9
+    assert z.measured is None               # a slider move drops the stale overlay; the button measures
+    z.measure_button.click()
+    rep = z.measured
+    assert rep["requested_params"] == 7_000_000_000 and rep["needed_bytes"] > z.budget
+    assert rep["params"] < 7e9 and zero.fit_params(rep["params"], 2, 2)[1] <= z.budget
+    assert "largest model that fits" in z.status.value and all(abs(r - 1) < 0.02 for r in z.data["ratios"])
+
+
+def test_live_world_size_other_than_the_ranks_is_theory_only(live_explorer):
+    z = live_explorer
+    z.world_size.value = 4
+    assert z.measure_button.disabled and z.measured is None
+    assert z.measure() is None and "measures on 2 rank(s)" in z.status.value
+    z.world_size.value = 2
 
 
 def test_controls_have_stable_classes_for_browser_tests(explorer):
     classes = {c for w in (explorer.stage, explorer.offload_optimizer, explorer.offload_param, explorer.world_size,
                            explorer.params, explorer.measure_button, explorer.chart, explorer.summary, explorer.status,
-                           explorer.widget) for c in w._dom_classes}
+                           explorer.config_view, explorer.widget) for c in w._dom_classes}
     assert {"dslab-zero-stage", "dslab-zero-offload-optimizer", "dslab-zero-offload-param", "dslab-zero-world-size",
             "dslab-zero-params", "dslab-zero-measure", "dslab-zero-chart", "dslab-zero-summary",
-            "dslab-zero-status", "dslab-zero-explorer"} <= classes
+            "dslab-zero-status", "dslab-zero-config", "dslab-zero-explorer"} <= classes
     assert explorer.stage.description == "ZeRO stage" and explorer.measure_button.description == "measure"
 
 

