@@ -47,6 +47,38 @@ class LaunchResult:
         return self.results[0] if self.results else None
 
 
+def start_guard(owner_pid, process_groups):
+    """A process, in a session of its own, that kills `process_groups` if `owner_pid` dies without doing it (even by
+    SIGKILL, when no code of the owner can run). The owner kills the guard when it has stopped them itself."""
+    return subprocess.Popen([sys.executable, "-m", "dslab.launch", "guard", str(owner_pid), *map(str, process_groups)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
+
+
+def _guard(owner_pid, process_groups, poll=0.2, grace=3.0):
+    """The guard's loop: wait for the owner to vanish, then SIGTERM the groups, and SIGKILL what is left."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:   # a zombie (dead, not yet reaped) counts as gone
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    while alive(owner_pid):
+        time.sleep(poll)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+        for group in process_groups:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(wait)
+
+
 def port_is_free(port, host="127.0.0.1"):
     """True if nothing listens on host:port (the rendezvous store needs it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -275,9 +307,12 @@ def _supervise(name, commands, envs, log_dir, world_size, show, timeout, line_ra
                 stdout_ranks.setdefault(rank, []).append(text + "\n")
                 show(rank, text)
 
-    # Own session per launcher: one killpg reaches it and all its ranks, and a notebook interrupt too.
+    # Own session per launcher: one killpg reaches it and all its ranks, and a notebook interrupt too. Being in
+    # another session, it would outlive us if we were killed (kill -9, a lost terminal, a scheduler), and the
+    # deepspeed launcher does not stop its ranks when it is killed: a guard process does it then.
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for cmd, env in zip(commands, envs)]
+    guard = start_guard(os.getpid(), [p.pid for p in procs])
     readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     for r in readers:
         r.start()
@@ -296,6 +331,8 @@ def _supervise(name, commands, envs, log_dir, world_size, show, timeout, line_ra
     finally:
         for p in procs:
             _kill_group(p)  # a rank that outlived its launcher must not linger
+        guard.kill()
+        guard.wait()
         tailer.stop.set()
         tailer.join()
         for r in readers:
@@ -544,3 +581,7 @@ def add_commands(subparsers):
     p.add_argument("script", help="a script path or a dslab recipe name")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="--key value pairs passed to the script")
     p.set_defaults(func=_cli_launch)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:
+    _guard(int(sys.argv[2]), [int(g) for g in sys.argv[3:]])

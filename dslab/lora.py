@@ -428,9 +428,9 @@ def update_error(with_adapter, merged, adapter_name="default"):
 
 
 def merge_precision_table(std=0.02, seed=0):
-    """Chapter 06's merge checks as table rows (for the slides): an adapter on every block layer and the tied
-    `lm_head`, its B matrices drawn from N(0, std) to stand in for training, merged three ways; each row is the
-    largest |logit difference| to base + adapter."""
+    """Chapter 06's merge checks as table rows (for the slides): an adapter on the default targets (every MLP
+    layer) and the tied `lm_head`, its B matrices drawn from N(0, std) to stand in for training, merged three ways;
+    each row is the largest |logit difference| to base + adapter."""
     import tempfile
 
     import torch

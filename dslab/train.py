@@ -49,6 +49,11 @@ def init_single_process(quiet=False):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
+    # A MASTER_PORT inherited from a parent that ran this too may be in use by now; alone in its world, this
+    # process is the rendezvous server itself, so any free port serves.
+    from dslab.launch import port_is_free
+    if os.environ["WORLD_SIZE"] == "1" and not port_is_free(int(os.environ["MASTER_PORT"]), os.environ["MASTER_ADDR"]):
+        os.environ["MASTER_PORT"] = str(free_port())
     with silenced() if quiet else contextlib.nullcontext():
         dist.init()
 

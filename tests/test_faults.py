@@ -224,3 +224,35 @@ def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_p
     assert resumed["start_step"] == state["step"]
     assert [e["step"] for e in resumed["loss_log"]] == list(range(state["step"] + 1, 2 * epochs + 1))
     assert [e["loss"] for e in resumed["loss_log"]] == [e["loss"] for e in reference["loss_log"][state["step"]:]]
+
+
+# --------------------------------------------------------------------------- the starter killed with -9
+
+SLEEPER = """
+import time
+import torch.distributed as torch_dist
+torch_dist.init_process_group("gloo")
+print("ranks up", flush=True)
+time.sleep(300)
+"""
+
+
+def test_kill_9_of_the_command_takes_the_launcher_and_ranks_with_it(tmp_path):
+    """What a lost terminal or a job scheduler does: SIGKILL to the process group of `dslab launch`. The deepspeed
+    launcher runs in a session of its own, so it is not in that group; it must still go, with its ranks, at once."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent(SLEEPER))
+    proc = subprocess.Popen([sys.executable, "-m", "dslab.cli", "launch", "--world-size", "2", str(script)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len([p for p in _processes_mentioning(str(script)) if p.pid != proc.pid]) < 3:  # launcher + 2 ranks
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the ranks did not start within 240 s"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _processes_mentioning(str(script)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _assert_no_strays(str(script))

@@ -18,7 +18,7 @@ def base_dir(tmp_path_factory):
     """A small random-init model of the dslab-tiny architecture with a tokenizer, in HF format."""
     out = tmp_path_factory.mktemp("base")
     texts = [line for line in (data.DATA_DIR / "general_sft.jsonl").read_text(encoding="utf-8").splitlines()]
-    tok = models.train_tokenizer(texts, vocab_size=1024, gb2312=False)  # room for the Chinese characters of the data
+    tok = models.train_tokenizer(texts, vocab_size=1536, gb2312=False)  # the data's Chinese characters (~1,170) + merges
     cfg = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
     models.save_pretrained(models.build_model(cfg, seed=0), tok, out)
