@@ -41,27 +41,6 @@ def generate(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperatu
             for start, out in sequences(model, tokenizer, prompts, max_new_tokens, chat, temperature, system)]
 
 
-def identity_accuracy(model, tokenizer, name, queries=None, max_new_tokens=48):
-    """Share of held-out identity questions answered with `name` (a str, or a (zh, en) pair), and the answers."""
-    from dslab import data
-    rows = queries if queries is not None else data.identity_eval()
-    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True)
-    hits = []
-    for row, answer in zip(rows, answers):
-        expected = name if isinstance(name, str) else (name[0] if row["lang"] == "zh" else name[1])
-        hits.append(expected in answer)
-    return sum(hits) / len(hits), [dict(r, completion=a, hit=h) for r, a, h in zip(rows, answers, hits)]
-
-
-def general_accuracy(model, tokenizer, rows=None, max_new_tokens=32):
-    """Share of general questions whose answer contains the reference answer, and the answers."""
-    from dslab import data
-    rows = rows if rows is not None else data.general_eval()
-    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True)
-    hits = [r["reference"] in a for r, a in zip(rows, answers)]
-    return sum(hits) / len(hits), [dict(r, completion=a, hit=h) for r, a, h in zip(rows, answers, hits)]
-
-
 # ----------------------------------------------------------------------------------------------------
 # `dslab infer`
 # ----------------------------------------------------------------------------------------------------

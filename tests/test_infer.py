@@ -57,13 +57,13 @@ def test_cli_json_output(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What color is a banana?"}) + "\n" + json.dumps({"query": "你好！"}) + "\n",
                        encoding="utf-8")
-    out = _dslab("--prompt", "What is the capital of France?", "--prompts-file", str(prompts), "--chat", "--json",
+    out = _dslab("--prompt", "What sound does a cow make?", "--prompts-file", str(prompts), "--chat", "--json",
                  "--max-new-tokens", "16")
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(out.stdout)
-    assert [r["prompt"] for r in results] == ["What is the capital of France?", "What color is a banana?", "你好！"]
+    assert [r["prompt"] for r in results] == ["What sound does a cow make?", "What color is a banana?", "你好！"]
     assert all(set(r) == {"prompt", "completion"} and isinstance(r["completion"], str) for r in results)
-    assert "Paris" in results[0]["completion"]
+    assert "moo" in results[0]["completion"]  # the base model knows this one (data/general_eval.jsonl)
 
 
 def test_cli_text_file_and_explicit_model_dir(tmp_path):

@@ -20,7 +20,7 @@ def base_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("base")
     texts = [json.dumps(r, ensure_ascii=False) for r in
              [json.loads(line) for line in (Path(models.DEFAULT_MODEL_DIR).parent / "general_sft.jsonl").open()]]
-    tok = models.train_tokenizer(texts, vocab_size=1024, gb2312=False)  # room for the corpus's Chinese characters
+    tok = models.train_tokenizer(texts, vocab_size=1536, gb2312=False)  # room for the corpus's Chinese characters
     config = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
     models.save_pretrained(models.build_model(config, seed=0), tok, out)
