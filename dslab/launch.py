@@ -490,6 +490,8 @@ def run_commands(commands, timeout=None, stream=None, run_dir=None, name=None):
     argvs, layouts = [], []
     for env, argv in parsed:
         at = _script_index(argv)
+        if argv[at - 1] in ("-m", "--module"):  # launcher options go before the flag that names the module
+            at -= 1
         if not _has_option(argv[:at], "--master_port", "--master-port", "--rdzv-endpoint", "--rdzv_endpoint"):
             # 29500, the default, may be taken by another job on this machine: its ranks would meet ours
             argv = argv[:at] + ["--master_port", str(free_port())] + argv[at:]
