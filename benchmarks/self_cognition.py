@@ -32,13 +32,11 @@ def as_args(value):
 
 
 def score(model_dir, ident):
+    from dslab import evaluate
     """`dslab eval --json` of a model for an identity: {"identity", "general", per-language hits, broken}."""
     res = json.loads(dslab("eval", "--model", model_dir, "--model-name", *as_args(ident["name"]),
                            "--model-author", *as_args(ident["author"]), "--json"))
-    per_lang = {}
-    for r in res["identity_rows"]:
-        hits, total = per_lang.get(r["lang"], (0, 0))
-        per_lang[r["lang"]] = (hits + r["hit"], total + 1)
+    per_lang = evaluate.by_language(res["identity_rows"])
     broken = sum("\ufffd" in r["completion"] for r in res["identity_rows"] + res["general_rows"])
     return {"identity": res["identity"], "general": res["general"], "per_lang": per_lang, "broken": broken,
             "rows": res["identity_rows"]}

@@ -2,16 +2,8 @@
 import contextlib
 import io
 import os
-import socket
 import sys
 import time
-
-
-def free_port():
-    """A TCP port nobody listens on right now (for a single-process rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -43,6 +35,7 @@ def init_single_process(quiet=False):
     """
     import torch.distributed as tdist
     from dslab import dist
+    from dslab.launch import free_port, port_is_free
     if tdist.is_available() and tdist.is_initialized():
         return
     # The variables the deepspeed launcher would set for a single rank; existing values win.
@@ -51,7 +44,6 @@ def init_single_process(quiet=False):
         os.environ.setdefault(key, value)
     # A MASTER_PORT inherited from a parent that ran this too may be in use by now; alone in its world, this
     # process is the rendezvous server itself, so any free port serves.
-    from dslab.launch import port_is_free
     if os.environ["WORLD_SIZE"] == "1" and not port_is_free(int(os.environ["MASTER_PORT"]), os.environ["MASTER_ADDR"]):
         os.environ["MASTER_PORT"] = str(free_port())
     with silenced() if quiet else contextlib.nullcontext():
