@@ -9,7 +9,8 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test test-unit test-notebooks test-browser slides bench chromium clean
+.PHONY: setup lab test test-fast test-unit test-notebooks test-browser test-browser-if-chromium test-gpu slides bench \
+        chromium clean
 
 setup: $(STAMP)
 
@@ -27,10 +28,20 @@ endif
 lab: setup
 	$(BIN)/jupyter lab --notebook-dir=notebooks
 
-test: setup test-unit test-notebooks
+# Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
+# chromium is here (`make chromium` installs it; .ci/run does).
+test: setup test-unit test-notebooks test-browser-if-chromium
+
+# The quick loop while editing: no multi-rank or otherwise slow test (markers set in conftest.py).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser
 
 test-unit: setup
-	$(BIN)/python -m pytest -q tests --ignore=tests/gpu --ignore=tests/browser
+	$(BIN)/python -m pytest -q tests --ignore=tests/browser
+
+# The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
+test-gpu: setup
+	$(BIN)/python -m pytest -q -rs tests/gpu
 
 test-notebooks: setup
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=600
@@ -39,11 +50,17 @@ test-notebooks: setup
 chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-noto-cjk >/dev/null)
 
+# Course tooling, not part of the dslab package (`dslab slides` became `make slides`).
 slides: setup
-	$(BIN)/python -m dslab.slides build
+	$(BIN)/python -m tools.slides build
 
-test-browser: setup chromium slides
+# The browser tests build the decks themselves (strictly, into a temporary folder): no `slides` prerequisite.
+test-browser: setup chromium
 	$(BIN)/python -m pytest -q tests/browser
+
+test-browser-if-chromium: setup
+	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser; \
+	else echo "browser tests skipped: no chromium here (make chromium installs Debian's, or run make test-browser)"; fi
 
 bench: setup
 	$(BIN)/python benchmarks/course_bench.py

@@ -1,4 +1,129 @@
-"""Shared pytest hooks for the unit tests and the notebook (nbval) runs."""
+"""Shared pytest hooks for the unit tests and the notebook (nbval) runs.
+
+Markers (registered here, applied here by test file / node id so no test file has to carry them):
+- multirank: the test starts rank processes (deepspeed launcher, torchrun, live ranks, a CLI that launches);
+- slow: a multirank test, or any test that took more than ~5 s on 2 cores (see SLOW below);
+- gpus(n): the test needs n CUDA GPUs (tests/gpu; its conftest skips it otherwise).
+
+`pytest -m "not slow" tests --ignore=tests/browser` (make test-fast) is the quick loop: under 2 minutes on
+2 cores. `make test` runs everything.
+"""
+import pytest
+
+# Tests that start ranks, by node id ("file::test" also covers its parametrized cases; "file::test[case]" one
+# case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import
+# deepspeed`, a process group.
+MULTIRANK = (
+    "tests/test_accumulation.py::test_accumulation_recipe_on_two_ranks",
+    "tests/test_exercises.py::test_solution_is_accepted[01.average_gradients]",  # live ranks, kept for the
+    "tests/test_exercises.py::test_wrong_answers_are_rejected[01.average_gradients]",  # next two: all three go
+    "tests/test_exercises.py::test_placeholder_and_garbage_are_not_correct[01.average_gradients]",  # together
+    "tests/test_faults.py::test_rank_killed_by_a_signal_is_named_and_nothing_is_left",
+    "tests/test_faults.py::test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint",
+    "tests/test_faults.py::test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve",
+    "tests/test_faults.py::test_kill_9_of_the_command_takes_the_launcher_and_ranks_with_it",
+    "tests/test_faults.py::test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_finishes",
+    "tests/test_launch.py::test_failing_rank_raises_with_its_traceback_and_stops_the_others",
+    "tests/test_launch.py::test_the_rank_that_failed_first_is_named_not_the_one_left_waiting",
+    "tests/test_launch.py::test_cli_exits_nonzero_fast_on_failure",
+    "tests/test_launch.py::test_results_per_rank_and_a_taken_port_is_replaced",
+    "tests/test_launch.py::test_run_commands_runs_the_deepspeed_line_as_typed_and_prefixes_each_rank",
+    "tests/test_launch.py::test_run_commands_stops_every_node_when_one_fails",
+    "tests/test_live.py::test_two_live_ranks_train_zero2_bf16_in_lockstep_then_stop_leaves_nothing",
+    "tests/test_live.py::test_ranks_die_with_the_process_that_started_them_even_when_it_is_sigkilled",
+    "tests/test_live.py::test_nothing_is_left_after_a_notebook_kernel_ends",
+    "tests/test_memory.py::test_measured_totals_match_theory_on_three_ranks",  # these four share one
+    "tests/test_memory.py::test_stage2_gradients_are_partitioned_and_boundaries_reported_as_buffers",  # 3-rank
+    "tests/test_memory.py::test_stage1_keeps_full_gradients_stage3_partitions_parameters",  # run (a module
+    "tests/test_memory.py::test_offload_optimizer_measured_on_the_host",  # fixture): all slow or none
+    "tests/test_memory.py::test_try_config_names_the_rank_error_quietly",  # a launched rank
+    "tests/test_multinode.py::test_two_nodes_equal_one_node",
+    "tests/test_sft.py::test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly",
+    "tests/test_sft.py::test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
+    "tests/test_sft.py::test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
+    "tests/test_sft.py::test_a_job_killed_at_its_checkpoint_resumes_given_its_output_directory",
+    "tests/test_tp_infer.py::test_tp2_equals_hf_and_shards_layers",
+    "tests/test_tp_infer.py::test_cli_tp2_equals_tp1",
+    "tests/test_tp_infer.py::test_different_prompts_on_ranks_are_refused",
+    "tests/test_widgets.py::test_live_explorer_measures_at_once_and_shows_its_config",  # these four share the
+    "tests/test_widgets.py::test_stage_and_offload_changes_remeasure_on_the_same_ranks",  # module's live ranks
+    "tests/test_widgets.py::test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fits",
+    "tests/test_widgets.py::test_live_world_size_other_than_the_ranks_is_theory_only",
+    "tests/browser/test_zero_widget.py",
+)
+
+# Single-process tests that took 3 s or more (all cases together) in the measured full run (see
+# /work/shared/notes/DONE_tooling.md): subprocesses that import deepspeed, trainings, CLI round trips.
+SLOW = (
+    "tests/test_accumulation.py::test_activations_grow_with_micro_batch_not_accumulation_steps",
+    "tests/test_accumulation.py::test_padding_needs_token_normalisation",
+    "tests/test_config.py::test_each_stage_trains_with_deepspeed_initialize",  # both use one module fixture:
+    "tests/test_config.py::test_offload_configs_train_with_cpu_adam",  # every stage trained in a subprocess
+    "tests/test_config_check.py::test_cli_as_a_module_in_a_fresh_process",
+    "tests/test_env.py::test_async_io_is_probed_without_compiler_output",
+    "tests/test_env.py::test_cli_env_json_parses_and_text_prints",
+    "tests/test_env.py::test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed",
+    "tests/test_env.py::test_prepare_is_fast_when_cached",
+    "tests/test_exercises.py::test_solution_is_accepted[04.zero3_offload]",
+    "tests/test_exercises.py::test_wrong_answers_are_rejected[07.init_inference]",
+    "tests/test_infer.py::test_cli_json_output",
+    "tests/test_infer.py::test_cli_text_file_and_explicit_model_dir",
+    "tests/test_lora.py::test_infer_cli_applies_an_adapter_and_refuses_a_bad_one",
+    "tests/test_lora.py::test_merge_cli_reports_a_clear_error",
+    "tests/test_models.py::test_base_model_answers_simple_questions_in_both_languages",
+    "tests/test_models.py::test_build_base_smoke",
+    "tests/test_models.py::test_loads_offline_in_a_fresh_process",
+    "tests/test_precision.py::test_deepspeed_scaler_replay_and_minimum",
+    "tests/browser/",
+    "tests/gpu/test_gpu.py::test_every_notebook_runs_on_a_gpu",
+)
+
+
+def _matches(nodeid, prefixes):
+    """True if the node id is one of `prefixes`, a parametrized case of one, or in a listed file or folder."""
+    for prefix in prefixes:
+        if nodeid == prefix or nodeid.startswith(prefix + "[") or nodeid.startswith(prefix + "::") \
+                or (prefix.endswith("/") and nodeid.startswith(prefix)):
+            return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long on 2 cores; left out by `pytest -m 'not slow'` (make test-fast)")
+    config.addinivalue_line("markers", "multirank: starts rank processes (always also slow)")
+    config.addinivalue_line("markers", "gpus(n): needs n CUDA GPUs; skipped with the reason elsewhere (tests/gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid.replace("\\", "/")
+        if _matches(nodeid, MULTIRANK):
+            item.add_marker(pytest.mark.multirank)
+        if item.get_closest_marker("multirank") or _matches(nodeid, SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
+# --------------------------------------------------------------------------- shared expensive runs
+
+@pytest.fixture(scope="session")
+def accumulation_on_two_ranks(tmp_path_factory):
+    """The `accumulation` recipe launched once on 2 ranks (deepspeed launcher), for every test that checks it:
+    test_accumulation.py (its results) and test_multinode.py (2 nodes give the same results as 1 node)."""
+    from dslab import launch
+
+    return launch.run("accumulation", world_size=2, run_dir=tmp_path_factory.mktemp("accumulation"), stream=False)
+
+
+@pytest.fixture(scope="session")
+def live_two_ranks():
+    """2 live ranks (dslab.live) shared by the tests that only use them: test_widgets.py's explorer and the
+    01.average_gradients checker in test_exercises.py (which reuses running ranks). live.start is idempotent in a
+    process, so a test that stops ranks itself (test_live.py) must start its own and not take this fixture."""
+    from dslab import live
+
+    ranks = live.start(world_size=2)
+    yield ranks
+    ranks.stop()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -144,12 +144,13 @@ def bench_memory(run_dir):
 # ------------------------------------------------------------------------------------------------- SFT
 def bench_sft(out_dir):
     """`dslab sft` with its defaults (LoRA, ZeRO-2, 2 ranks), then identity and general accuracy of the result."""
-    from dslab import evaluate, lora, sft
+    from dslab import evaluate, models, sft
 
     start = time.perf_counter()
     result = sft.run(output=str(Path(out_dir) / "adapter"), stream=False)
     wall = time.perf_counter() - start
-    model, tokenizer = lora.load_with_adapter(adapter_dir=str(Path(out_dir) / "adapter"))
+    adapter = str(Path(out_dir) / "adapter")
+    model, tokenizer = models.load_model(adapter=adapter), models.load_tokenizer(adapter=adapter)
     ident, _ = evaluate.identity_accuracy(model, tokenizer, sft.DEFAULT_NAME, sft.DEFAULT_AUTHOR)
     general, _ = evaluate.general_accuracy(model, tokenizer)
     how = (f"LoRA, ZeRO-{result['zero_stage']}, 2 ranks, {result['steps']} steps; "
@@ -169,13 +170,15 @@ def bench_infer(new_tokens=32):
                 for name in ("HF generate", "DeepSpeed tp=1", "DeepSpeed tp=2")]
     import torch
 
-    model, tokenizer = tp_infer.load_model()
+    from dslab import models
+
+    model, tokenizer = models.load_model(), models.load_tokenizer()
     hf = tp_infer.timed_generate(model, tokenizer, INFER_PROMPTS, new_tokens, repeats=2)
     rows = [row("inference", "tokens/s HF generate", f"{hf['tokens_per_s']:.0f}", "",
                 f"fp32, {len(INFER_PROMPTS)} prompts x {new_tokens} tokens, {torch.get_num_threads()} threads")]
     del model
     for tp in (1, 2):
-        r = tp_infer.run(INFER_PROMPTS, tp=tp, max_new_tokens=8, benchmark_tokens=new_tokens)
+        r = tp_infer.generate_tensor_parallel(INFER_PROMPTS, tp=tp, max_new_tokens=8, benchmark_tokens=new_tokens)
         t = r["timing"]
         rows.append(row("inference", f"tokens/s DeepSpeed tp={tp}", f"{t['tokens_per_s']:.0f}", "",
                         f"{t['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF; {2 // tp} thread(s) per rank"))

@@ -1,4 +1,5 @@
-"""Data for the course: jsonl loading with file:line errors, self-cognition data, chat formatting, SFT batches."""
+"""Data for the course: jsonl loading with file:line errors, the bundled data sets, names and authors per
+language, chat formatting with the prompt masked (IGNORE_INDEX), SFT and pretraining batches."""
 import json
 import random
 from pathlib import Path
@@ -49,27 +50,25 @@ def fill_placeholders(text, name, author, lang="en"):
     return text.replace("{name}", for_language(name, lang)).replace("{author}", for_language(author, lang))
 
 
-def self_cognition(name, author, path=None):
-    """Identity examples as chats: [{"messages": [user, assistant], "lang"}], placeholders filled."""
-    rows = load_jsonl(path or DATA_DIR / "self_cognition.jsonl", ("query", "response"))
-    return [{"messages": [{"role": "user", "content": fill_placeholders(r["query"], name, author, r.get("lang", "en"))},
-                          {"role": "assistant", "content": fill_placeholders(r["response"], name, author, r.get("lang", "en"))}],
-             "lang": r.get("lang", "en")} for r in rows]
+def name_pair(value, option="a name or author"):
+    """A name or author as `fill_placeholders` and the scorers take it, from what a command line or a caller gives:
+    None or a str stays as it is; a list of one value serves both languages; two are (Chinese, English).
+    More raise DataError naming `option` (the flag they came from)."""
+    if value is None or isinstance(value, str):
+        return value
+    values = list(value)
+    if len(values) == 1:
+        return values[0]
+    if len(values) == 2:
+        return tuple(values)
+    raise DataError(f"{option} {' '.join(map(str, values))}: give one value (both languages) or two "
+                    "(Chinese, then English)")
 
 
 def general_sft(path=None, limit=None):
     """General everyday dialogue ({"messages", "lang"}) that keeps identity tuning from overwriting everything."""
     rows = load_jsonl(path or DATA_DIR / "general_sft.jsonl", ("messages",))
     return rows[:limit] if limit is not None else rows
-
-
-def identity_dataset(name, author, mix_general=True, n_general=None, seed=0):
-    """Self-cognition examples, optionally mixed with general dialogue (default: as many as identity rows), shuffled."""
-    rows = self_cognition(name, author)
-    if mix_general:
-        rows += general_sft(limit=len(rows) if n_general is None else n_general)
-    random.Random(seed).shuffle(rows)
-    return rows
 
 
 def identity_eval(path=None):
@@ -130,23 +129,9 @@ def sft_example(tokenizer, messages, max_length=None):
     return {"input_ids": input_ids, "labels": labels}
 
 
-def collate(examples, pad_id, pack_to=None):
-    """Pad examples into a batch of tensors (input_ids, labels, attention_mask), right-padded.
-
-    pack_to: greedily concatenate examples into rows of at most pack_to tokens first (fewer pad tokens;
-    an example can then attend to the earlier examples in its row, which short SFT pairs tolerate).
-    """
+def collate(examples, pad_id):
+    """Pad examples into a batch of tensors (input_ids, labels, attention_mask), right-padded."""
     import torch
-    if pack_to:
-        rows, current = [], {"input_ids": [], "labels": []}
-        for ex in examples:
-            if current["input_ids"] and len(current["input_ids"]) + len(ex["input_ids"]) > pack_to:
-                rows.append(current)
-                current = {"input_ids": [], "labels": []}
-            current["input_ids"] = current["input_ids"] + ex["input_ids"]
-            current["labels"] = current["labels"] + ex["labels"]
-        rows.append(current)
-        examples = rows
     width = max(len(ex["input_ids"]) for ex in examples)
     batch = {"input_ids": torch.full((len(examples), width), pad_id, dtype=torch.long),
              "labels": torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long),
@@ -159,14 +144,14 @@ def collate(examples, pad_id, pack_to=None):
     return batch
 
 
-def sft_batches(examples, micro_batch_size, pad_id, seed=0, pack_to=None):
+def sft_batches(examples, micro_batch_size, pad_id, seed=0):
     """Endless iterator of collated SFT batches, reshuffled (seeded) every epoch."""
     r = random.Random(seed)
     order = list(range(len(examples)))
     while True:
         r.shuffle(order)
         for start in range(0, len(order) - micro_batch_size + 1, micro_batch_size):
-            yield collate([examples[i] for i in order[start:start + micro_batch_size]], pad_id, pack_to)
+            yield collate([examples[i] for i in order[start:start + micro_batch_size]], pad_id)
 
 
 def lm_blocks(tokenizer, documents, seq_len):

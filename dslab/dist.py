@@ -1,12 +1,17 @@
 """Helpers for code that runs on a rank: init, rank-0 printing, recipe arguments, results, quiet logs."""
 import atexit
+import contextlib
 import json
 import logging
 import os
 import random
+import shutil
 import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
+
+from dslab import files
 
 # dslab.launch sets this so every rank knows where to leave its JSON result.
 RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
@@ -29,10 +34,6 @@ def quiet():
         logger.setLevel(logging.ERROR)
         if _errors_only not in logger.filters:
             logger.addFilter(_errors_only)
-    from dslab.env import ensure_build_tools_on_path
-
-    # DeepSpeed asks for `ninja` on PATH even to load an op that is already built.
-    ensure_build_tools_on_path()
     try:
         import transformers
 
@@ -129,8 +130,34 @@ def save_result(obj):
     directory = os.environ.get(RESULT_DIR_ENV)
     if not directory:
         return  # run by hand, outside dslab.launch: nothing collects results
-    path = os.path.join(directory, f"rank{rank()}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    files.atomic_write_json(Path(directory) / f"rank{rank()}.json", obj)
+
+
+def ensure_build_tools_on_path():
+    """Put the ninja installed with dslab first on PATH, for this process and every rank it starts; its path.
+
+    DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built, and builds with
+    whichever ninja comes first. A system ninja (1.11: build log v5) and pip's (1.13: log v7) cannot read each
+    other's build log, so processes that alternate between them (an activated venv here, a plain kernel there)
+    rebuild shm_comm and cpu_adam from scratch every time: a minute of CPU per launch. `import dslab` calls this.
+    """
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != str(folder)]
+            os.environ["PATH"] = os.pathsep.join([str(folder), *rest])
+            return str(folder / "ninja")
+    return shutil.which("ninja")
+
+
+def send_deepspeed_logs_to_stderr():
+    """For commands whose stdout is data (JSON): DeepSpeed's logger writes to stdout, so import it with
+    stdout pointing at stderr; its handler keeps that stream for the rest of the process."""
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401

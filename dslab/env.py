@@ -8,6 +8,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from dslab import dist
+
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
 # CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
 BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -46,31 +48,9 @@ def versions():
     return found
 
 
-def ensure_build_tools_on_path():
-    """Put pip's ninja on PATH when only the Python package has it (venv not activated).
-
-    DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built,
-    so a kernel started as .venv/bin/python without an activated venv would otherwise fail.
-    """
-    if shutil.which("ninja"):
-        return shutil.which("ninja")
-    candidates = [Path(sys.executable).parent]
-    try:
-        import ninja
-
-        candidates.insert(0, Path(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        pass
-    for folder in candidates:
-        if (folder / "ninja").exists():
-            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
-            return str(folder / "ninja")
-    return None
-
-
 def build_tools():
     """Paths of ninja, the C++ compiler torch uses ($CXX or c++), g++ and numactl (None when absent)."""
-    ninja = ensure_build_tools_on_path()
+    ninja = dist.ensure_build_tools_on_path()  # also puts pip's ninja on PATH, as DeepSpeed needs
     cxx = os.environ.get("CXX", "c++")
     return {"ninja": ninja, "c++": shutil.which(cxx), "g++": shutil.which("g++"), "numactl": shutil.which("numactl")}
 
@@ -391,41 +371,3 @@ def import_deepspeed():
         logger.removeFilter(keep)
     return logged
 
-
-def send_deepspeed_logs_to_stderr():
-    """For commands whose stdout is data (JSON): DeepSpeed's logger writes to stdout, so import it with
-    stdout pointing at stderr; its handler keeps that stream for the rest of the process."""
-    import contextlib
-
-    with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed  # noqa: F401
-
-
-def _cmd_env(args):
-    import json
-
-    send_deepspeed_logs_to_stderr()
-    rep = report()
-    print(json.dumps(rep, indent=2, sort_keys=True) if args.json else format_report(rep))
-    return 0
-
-
-def _cmd_prepare(args):
-    send_deepspeed_logs_to_stderr()
-    try:
-        prepare(only=args.only, verbose=args.verbose)
-    except RuntimeError as exc:
-        print(exc)
-        return 1
-    return 0
-
-
-def add_commands(subparsers):
-    """`dslab env [--json]` and `dslab prepare`."""
-    env = subparsers.add_parser("env", help="what this machine offers DeepSpeed, and which course features run")
-    env.add_argument("--json", action="store_true", help="print the report as JSON")
-    env.set_defaults(func=_cmd_env)
-    prep = subparsers.add_parser("prepare", help="build the JIT ops the course uses (shm_comm, cpu_adam) now")
-    prep.add_argument("--only", nargs="+", choices=[name for name, _, _ in COURSE_OPS], help="build only these")
-    prep.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    prep.set_defaults(func=_cmd_prepare)

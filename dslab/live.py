@@ -7,23 +7,26 @@ process group. A %%px cell runs on every rank and shows each rank's output under
 ordinary cells inspect the ranks with `ranks.pull("name")` and `ranks.apply(fn)`.
 
 The ranks stop at `ranks.stop()`, when the kernel exits, and when the kernel dies without exiting
-(killed, or restarted from the notebook): a small watchdog process waits for the kernel to disappear
-and then kills the controller and the engines.
+(killed, or restarted from the notebook): dslab.launch's guard process waits for the kernel to disappear
+and then stops the controller and the engines (the same guard that stops launched jobs).
 """
 import atexit
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import types
 
-from dslab.launch import free_port, remove_stale_shm_buffers
+from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
+from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
 
 MASTER_ADDR = "127.0.0.1"   # all ranks on this machine: rank 0's store listens on loopback
+# ipyparallel gives every process of a cluster (controller, engines, their helpers) this variable; each dslab cluster
+# has a profile directory of its own, so its value marks this cluster's processes, whoever their parent is now.
+PROFILE_ENV = "IPP_PROFILE_DIR"
+# Engines ignore SIGTERM once torch is loaded, so the grace is short: they have nothing left to save.
+STOP_GRACE_S = 0.5
 _running = None          # the Ranks of this process, if any: live.start is idempotent within a kernel
 
 
@@ -117,12 +120,12 @@ def _by_code(fn):
 class Ranks:
     """A running set of live ranks: pull/push variables, apply a function on every rank, stop them."""
 
-    def __init__(self, cluster, client, world_size, master_port, pids, profile_dir, watchdog):
+    def __init__(self, cluster, client, world_size, master_port, pids, profile_dir, guard):
         self._cluster, self._client = cluster, client
         self.world_size, self.master_port = world_size, master_port
         self.pids = pids                    # {"controller": pid, "engines": [pid of rank 0, rank 1, ...]}
         self.profile_dir = profile_dir      # this cluster's own: see cluster_processes
-        self._watchdog = watchdog
+        self._guard = guard                # stops the cluster if this process dies first
         self.view = client[list(range(world_size))]   # engine ids 0..N-1, in rank order
         self.view.block = True
         self.stopped = False
@@ -175,7 +178,7 @@ class Ranks:
         if _running is self:
             _running = None
         leaders = [self.pids["controller"], *self.pids["engines"]]
-        procs = _process_tree(leaders) + cluster_processes(self.profile_dir)
+        procs = _cluster_tree(leaders, self.profile_dir)
         try:
             # Leave the process group first: a gloo group torn down by a signal can leave a rank hanging.
             self.view.apply_async(_leave_process_group).wait(5)
@@ -185,107 +188,28 @@ class Ranks:
             self._client.close(linger=0)
         except Exception:
             pass
-        _kill_trees(leaders, procs)
-        if self._watchdog.poll() is None:
-            self._watchdog.kill()
-            self._watchdog.wait()
+        stop_processes(leaders, procs, STOP_GRACE_S)
+        if self._guard.poll() is None:
+            self._guard.kill()
+            self._guard.wait()
         shutil.rmtree(self.profile_dir, ignore_errors=True)
         # DeepSpeed's CPU all-reduce maps a buffer per rank in /dev/shm and never unlinks it.
-        _remove_shm_buffers(self.master_port)
+        remove_shm_buffers(self.master_port)
 
 
 def cluster_processes(profile_dir):
-    """The live processes (controller, engines and their helpers) of the cluster kept in `profile_dir`.
+    """The live processes (controller, engines and their helpers) of the cluster kept in `profile_dir`."""
+    return processes_with_env(PROFILE_ENV, profile_dir)
 
-    ipyparallel gives every process of a cluster IPP_PROFILE_DIR in its environment, and each dslab cluster
-    has a profile directory of its own, so this finds them all, whoever their parent is now.
+
+def _cluster_tree(leaders, profile_dir):
+    """Every process of the cluster: below the leaders, and anywhere with its profile directory.
+
+    Each engine and the controller lead their own process group (ipyparallel starts them in new sessions); an
+    engine's "nanny" helper runs in yet another session, so it is found as a child, not by its group. Collect
+    them before a leader exits: its children then have a new parent.
     """
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("IPP_PROFILE_DIR") == profile_dir and _alive(proc):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def _process_tree(leaders):
-    """The leaders and every process below them (psutil.Process objects), as they are now."""
-    import psutil
-
-    procs = []
-    for pid in leaders:
-        try:
-            leader = psutil.Process(pid)
-            procs += [leader, *leader.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    return procs
-
-
-def _kill_trees(leaders, procs=None, grace=0.5):
-    """SIGTERM, then SIGKILL after `grace` s, each leader's process group and every process below it.
-
-    Each engine and the controller lead their own process group (ipyparallel starts them in new sessions);
-    an engine's "nanny" helper runs in yet another session, so it is found as a child, not by its group.
-    Pass `procs` collected earlier when a leader may already have exited (its children then have a new parent).
-    Engines ignore SIGTERM once torch is loaded, so the grace is short: they have nothing left to save.
-    """
-    import psutil
-
-    procs = _process_tree(leaders) if procs is None else procs
-
-    def signal_all(sig):
-        for pid in leaders:
-            try:
-                os.killpg(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in procs:
-            try:
-                proc.send_signal(sig)   # psutil checks the process is still the one it found (no pid reuse)
-            except psutil.NoSuchProcess:
-                pass
-
-    signal_all(signal.SIGTERM)
-    if not _wait_gone(procs, grace):
-        signal_all(signal.SIGKILL)
-        _wait_gone(procs, grace)
-
-
-def _alive(proc):
-    """True while proc runs; a zombie (dead, waiting for its parent to collect it) counts as gone."""
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(procs, timeout):
-    """Wait up to `timeout` s for every process in procs to end; True if they all did."""
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in procs):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _remove_shm_buffers(master_port):
-    """Delete the /dev/shm all-reduce buffers of this job (its ranks are gone), then any other stale ones."""
-    import glob
-
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{master_port}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    remove_stale_shm_buffers()
+    return process_tree(leaders) + cluster_processes(profile_dir)
 
 
 def running():
@@ -311,30 +235,32 @@ def start(world_size=2, timeout=300):
 
     remove_stale_shm_buffers()
     master_port = free_port()
-    # A private profile directory per cluster: its connection files and engine logs are this cluster's only.
+    # A private profile directory per cluster: its connection files and engine logs are this cluster's only, and its
+    # path, in every cluster process's environment, marks them for the guard, started before any of them.
     profile_dir = tempfile.mkdtemp(prefix="dslab-live-")
-    cluster = ipp.Cluster(n=world_size, profile_dir=profile_dir, load_profile=False, shutdown_atexit=False,
-                          log_level=logging.ERROR, engine_timeout=timeout, delay=0.2)
-    cluster.start_controller_sync()
-    cluster.start_engines_sync(world_size, environment=_engine_environment(world_size))
-    pids = {"controller": cluster.controller.pid,
-            "engines": [launcher.pid for launcher in cluster.engine_set.launchers.values()]}
-    # From here on the processes exist: the watchdog must be running before anything can fail.
-    watchdog = _start_watchdog(os.getpid(), master_port, [pids["controller"], *pids["engines"]], profile_dir)
+    guard = start_guard(marker=(PROFILE_ENV, profile_dir), remove=[profile_dir], master_port=master_port)
+    pids = None
     try:
+        cluster = ipp.Cluster(n=world_size, profile_dir=profile_dir, load_profile=False, shutdown_atexit=False,
+                              log_level=logging.ERROR, engine_timeout=timeout, delay=0.2)
+        cluster.start_controller_sync()
+        cluster.start_engines_sync(world_size, environment=_engine_environment(world_size))
+        pids = {"controller": cluster.controller.pid,
+                "engines": [launcher.pid for launcher in cluster.engine_set.launchers.values()]}
         client = cluster.connect_client_sync()
         # interactive=False: no progress bar in the notebook's output.
         client.wait_for_engines(world_size, timeout=timeout, interactive=False)
-        ranks = Ranks(cluster, client, world_size, master_port, pids, profile_dir, watchdog)
+        ranks = Ranks(cluster, client, world_size, master_port, pids, profile_dir, guard)
         threads = _threads_per_rank(world_size)
         cwd = os.getcwd()
         engine_pids = [client[r].apply_async(_become_rank, r, world_size, MASTER_ADDR, master_port, cwd, threads)
                        for r in range(world_size)]
         ranks.pids["engines"] = [result.get(timeout) for result in engine_pids]   # in rank order
     except BaseException:
-        _kill_trees([pids["controller"], *pids["engines"]])
-        watchdog.kill()
-        watchdog.wait()
+        leaders = [pids["controller"], *pids["engines"]] if pids else []
+        stop_processes(leaders, _cluster_tree(leaders, profile_dir), STOP_GRACE_S)
+        guard.kill()
+        guard.wait()
         shutil.rmtree(profile_dir, ignore_errors=True)
         raise
     _running = ranks
@@ -361,32 +287,3 @@ def _activate_magics(view):
 def _stop_at_exit():
     if running() is not None:
         _running.stop()
-
-
-# ---- the watchdog: stops the ranks when the process that started them dies without stopping them ----
-
-def _start_watchdog(owner_pid, master_port, group_leaders, profile_dir):
-    """A process, in its own session (so killing the kernel's group spares it), that outlives the kernel."""
-    args = [sys.executable, "-m", "dslab.live", "watch", str(owner_pid), str(master_port), profile_dir,
-            *map(str, group_leaders)]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
-
-
-def _watch(owner_pid, master_port, profile_dir, group_leaders, poll=0.5):
-    """Wait until owner_pid has gone, then kill the ranks' process groups and clean up after them."""
-    import psutil
-
-    try:
-        owner = psutil.Process(owner_pid)
-    except psutil.NoSuchProcess:
-        owner = None
-    while owner is not None and _alive(owner):
-        time.sleep(poll)
-    _kill_trees(group_leaders, _process_tree(group_leaders) + cluster_processes(profile_dir))
-    shutil.rmtree(profile_dir, ignore_errors=True)
-    _remove_shm_buffers(master_port)
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["watch"]:
-    _watch(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], [int(pid) for pid in sys.argv[5:]])

@@ -1,11 +1,14 @@
-"""LoRA: attach adapters, count what trains, save them (ZeRO-3 aware), check them, merge them into the base."""
+"""LoRA: attach adapters, summarise what trains, save them (ZeRO-3 aware, atomic), merge them into the base.
+
+Reading, checking and loading a saved adapter is dslab.models (`load_model(adapter=...)`, `read_adapter`).
+"""
 import contextlib
-import json
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
+
+from dslab import models
+from dslab.files import atomic_dir, check_writable
+from dslab.models import ADAPTER_WEIGHTS, DTYPES, AdapterError, check_adapter_state, is_adapter_key
 
 # Every linear layer of a Qwen2/Llama block (PEFT's and ms-swift's "all-linear"), not the output head.
 # lm_head scores every token of every answer (and is tied to the input embeddings here): an adapter there
@@ -14,14 +17,8 @@ from pathlib import Path
 # attention projections too learn the identity as well but leave fewer general answers right, because identity
 # answers teach attention to ignore the question, and general answers need it ("the capital of France").
 DEFAULT_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Token ids the merge check feeds to both models (any ids below the vocabulary size do).
 PROBE_LENGTH = 24
-
-
-class AdapterError(ValueError):
-    """An adapter directory or state dict that must not be used (empty, size-0, or not an adapter at all)."""
 
 
 class MergeError(RuntimeError):
@@ -45,7 +42,7 @@ def _numel(p):
     return getattr(p, "ds_numel", p.numel())
 
 
-def count_parameters(model):
+def trainable_summary(model):
     """{"trainable", "frozen", "total", "trainable_pct"}: parameters counted once each (tied ones too)."""
     seen, trainable, frozen = set(), 0, 0
     for p in model.parameters():  # parameters() already skips a tied weight's second name
@@ -84,127 +81,8 @@ def enable_gradient_checkpointing(model):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checks
-# ----------------------------------------------------------------------------------------------------
-def _is_adapter_key(key):
-    return "lora_" in key or "modules_to_save" in key
-
-
-# PEFT also saves the (frozen) embedding / output head when an adapter targets one of them.
-_EMBEDDING_KEYS = ("embed_tokens.weight", "embed_tokens.base_layer.weight", "lm_head.weight", "lm_head.base_layer.weight",
-                   "wte.weight", "embed_out.weight")
-
-
-def check_adapter_state(state_dict, where="adapter"):
-    """Raise AdapterError unless `state_dict` holds real (non-empty) LoRA tensors, and not a whole model."""
-    if not state_dict:
-        raise AdapterError(f"{where} holds no tensors at all: nothing was trained or saved. "
-                           "Check target_modules and that the adapter was saved after training.")
-    empty = sorted(k for k, v in state_dict.items() if v.numel() == 0)  # sorted: the same example every time
-    if empty:
-        raise AdapterError(
-            f"{where} has {len(empty)} size-0 tensors (e.g. {empty[0]!r} with shape {tuple(state_dict[empty[0]].shape)}). "
-            "These are ZeRO-3 placeholders: the weights were saved without gathering the partitions. "
-            "Save with dslab.lora.save_adapter (gathers under ZeRO-3) or from a non-ZeRO process.")
-    lora_keys = [k for k in state_dict if _is_adapter_key(k)]
-    foreign = [k for k in state_dict if not _is_adapter_key(k) and not k.endswith(_EMBEDDING_KEYS)]
-    if not lora_keys or foreign:
-        example = (foreign or list(state_dict))[0]
-        raise AdapterError(
-            f"{where} is not a LoRA adapter: {len(state_dict) - len(lora_keys)} of {len(state_dict)} tensors are plain "
-            f"model weights (e.g. {example!r}). This looks like a full model's state dict; load it as the model "
-            "(--model DIR), not as an adapter.")
-
-
-def _looks_like_full_model(path):
-    return (path / "config.json").exists() and any(path.glob("model*.safetensors")) or (path / "pytorch_model.bin").exists()
-
-
-def read_adapter(adapter_dir):
-    """(adapter config dict, state dict) of a saved PEFT adapter, checked; AdapterError says what is wrong."""
-    from safetensors.torch import load_file
-
-    path = Path(adapter_dir)
-    if path.is_file():
-        if path.suffix == ".safetensors":  # someone pointed at a weights file: say what it holds
-            check_adapter_state(load_file(str(path)), where=f"{str(adapter_dir)!r}")
-        raise AdapterError(f"{str(adapter_dir)!r} is a file; pass the adapter directory that holds "
-                           f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    if not path.is_dir():
-        raise AdapterError(f"adapter directory {str(adapter_dir)!r} does not exist")
-    if not (path / ADAPTER_CONFIG).exists():
-        if _looks_like_full_model(path):
-            raise AdapterError(f"{str(adapter_dir)!r} is a full model (config.json + weights), not a LoRA adapter: "
-                               "pass it as --model, or pass the adapter directory (with adapter_config.json).")
-        raise AdapterError(f"{str(adapter_dir)!r} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.exists():
-        raise AdapterError(f"{str(adapter_dir)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
-    state = load_file(str(weights))
-    check_adapter_state(state, where=f"adapter {str(adapter_dir)!r}")
-    config = json.loads((path / ADAPTER_CONFIG).read_text())
-    return config, state
-
-
-# ----------------------------------------------------------------------------------------------------
 # Save (ZeRO-3 aware, atomic)
 # ----------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def atomic_dir(target):
-    """Yield a fresh temp dir beside `target`; on success it replaces `target` in one rename, else vanishes."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _default_permissions(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if target.exists():  # a directory cannot be renamed onto a non-empty one: move the old one aside first
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / "x")
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _default_permissions(root):
-    # mkdtemp (and some writers) create owner-only files; give the result the usual umask permissions.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(root, 0o777 & ~umask)
-    for path in root.rglob("*"):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def check_writable(directory):
-    """Raise PermissionError (with the fix) unless files can be created where `directory` will be written."""
-    path = Path(directory).resolve()
-    parent = path if path.is_dir() else path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"output {str(directory)!r} exists and is a file; choose a directory path")
-    try:
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as exc:
-        raise PermissionError(f"cannot write under {str(parent)!r} ({exc.strerror}); "
-                              "choose an --output directory you can write to") from None
-
-
-def check_free_space(directory, needed_bytes, option="--output"):
-    """Raise OSError (with the fix) unless the file system that will hold `directory` has `needed_bytes` free."""
-    parent = Path(directory).resolve()
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    if free < needed_bytes:
-        raise OSError(f"{option} {str(directory)!r}: only {free / 2**20:,.1f} MiB free on that disk, about "
-                      f"{needed_bytes / 2**20:,.1f} MiB needed; free some space or choose {option} on another disk")
-
-
 def _zero3_params(model):
     return [p for p in model.parameters() if hasattr(p, "ds_id")]
 
@@ -218,7 +96,7 @@ def adapter_state_dict(model):
     """
     from peft import get_peft_model_state_dict
 
-    lora_params = [p for n, p in model.named_parameters() if _is_adapter_key(n)]
+    lora_params = [p for n, p in model.named_parameters() if is_adapter_key(n)]
     gather = contextlib.nullcontext()
     if _zero3_params(model):
         import deepspeed
@@ -272,77 +150,8 @@ def save_full_model(model, tokenizer, output_dir, rank=None):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Load and merge
+# Merge
 # ----------------------------------------------------------------------------------------------------
-def untie_output_head(model):
-    """Give lm_head its own copy of the embedding matrix, so merging a LoRA on lm_head leaves inputs alone.
-
-    With tie_word_embeddings the head and the input embedding are one tensor: merging B·A into the head
-    would also change every token's input embedding, and the merged model would answer differently.
-    """
-    import torch
-
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or emb is None or head.weight is not emb.weight:
-        return False
-    head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-    return True
-
-
-def apply_adapter(base, adapter_dir):
-    """The loaded `base` with a checked adapter from `adapter_dir` on top: a PeftModel in eval mode."""
-    from peft import PeftModel
-
-    _, state = read_adapter(adapter_dir)  # fail with a clear message before PEFT does with an obscure one
-    check_adapter_fits(base, state, adapter_dir)
-    head = next((n for n, m in base.named_modules() if m is base.get_output_embeddings()), None)
-    if head and any(f".{head}." in k for k in state):
-        untie_output_head(base)  # the adapter changes the head: it must stop sharing the input embedding
-    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-
-
-def check_adapter_fits(base, state, adapter_dir):
-    """AdapterError unless every LoRA matrix of `state` fits the layer of `base` it adapts (same in/out sizes)."""
-    import torch
-
-    for key, tensor in state.items():
-        if ".lora_A." not in key and ".lora_B." not in key:
-            continue
-        layer = key.split(".lora_")[0].removeprefix("base_model.model.")
-        try:
-            module = base.get_submodule(layer)
-        except AttributeError:
-            raise AdapterError(f"adapter {str(adapter_dir)!r} adapts {layer}, which this base model does not have: "
-                               "pass the base it was trained on as --model") from None
-        if isinstance(module, torch.nn.Linear):
-            size, wanted = (tensor.shape[1], module.in_features) if ".lora_A." in key else (tensor.shape[0], module.out_features)
-            if size != wanted:
-                raise AdapterError(f"adapter {str(adapter_dir)!r} was trained on another base model: its {layer} has "
-                                   f"size {size} where this base has {wanted}; pass the base it was trained on as --model")
-
-
-def adapter_base(adapter_dir):
-    """The base model an adapter records (PEFT's base_model_name_or_path) if it is a local directory, else None."""
-    config, _ = read_adapter(adapter_dir)
-    recorded = config.get("base_model_name_or_path")
-    return recorded if recorded and Path(recorded).is_dir() else None
-
-
-def load_with_adapter(model=None, adapter_dir=None, dtype=None):
-    """(PeftModel in eval mode, tokenizer): the base model (a path or name; default: the base the adapter records,
-    else dslab-tiny) with a checked adapter on top."""
-    import torch
-
-    from dslab import models
-
-    model = model or adapter_base(adapter_dir)  # also checks the adapter, before loading anything big
-    base = models.load_model(model, dtype=dtype or torch.float32)
-    return apply_adapter(base, adapter_dir), models.load_tokenizer(model)
-
-
 def probe_ids(vocab_size, length=PROBE_LENGTH, seed=0):
     """A fixed batch of token ids (2 x length) for comparing two models' logits."""
     import torch
@@ -359,15 +168,15 @@ def max_logit_diff(model_a, model_b, input_ids):
         return (model_a(input_ids=input_ids).logits - model_b(input_ids=input_ids).logits).abs().max().item()
 
 
-def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=None, verbose=True):
+def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="fp32", verbose=True):
     """Merge a LoRA adapter into its base model and save a plain HF model, verified before it is written.
 
     Checks, in order: the adapter is real (no size-0 or foreign tensors); in float32, the merged model's
     logits equal base+adapter logits within `tolerance`; saved in `dtype` and read back with plain
     transformers, it has exactly the weights that were saved (and, in float32, the same logits). Only then
-    is the temp directory renamed to `output_dir`. Returns what was checked.
+    is the temp directory renamed to `output_dir`. Returns what was checked ("saved_dtype": torch's name).
 
-    dtype: float32 by default, which keeps the merge within float32 rounding. bfloat16 halves the file but rounds
+    dtype: "fp32" by default, which keeps the merge within float32 rounding. "bf16" halves the file but rounds
     W + dW to 8 significant bits: a small LoRA update dW can largely vanish into W's rounding (chapter 06 measures
     it). Only the unmerged adapter keeps dW exactly as trained. "dtype_rounding" is measured on the saved weights
     read back and run in float32, so it is the merge's rounding alone.
@@ -377,8 +186,10 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
 
     say = print if verbose else (lambda *a, **k: None)
     check_writable(output_dir)
-    dtype = dtype or torch.float32
-    with_adapter, tokenizer = load_with_adapter(model, adapter_dir)  # float32: the check sees merge error only
+    saved_dtype = models.torch_dtype(dtype)
+    # float32: the check below sees the merge's error only
+    with_adapter = models.load_model(model, adapter=adapter_dir)
+    tokenizer = models.load_tokenizer(model, adapter=adapter_dir)
     ids = probe_ids(with_adapter.get_base_model().config.vocab_size)
     with torch.no_grad():
         reference = with_adapter(input_ids=ids).logits
@@ -389,22 +200,22 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype=N
     if not diff <= tolerance:
         raise MergeError(f"merged logits differ from base+adapter by {diff:.3g} (> {tolerance}); nothing written")
     say(f"merged logits match base+adapter: max |diff| = {diff:.1e} <= {tolerance:g}")
-    merged = merged.to(dtype)
+    merged = merged.to(saved_dtype)
     weights = {k: v.clone() for k, v in merged.state_dict().items()}
     with atomic_dir(output_dir) as tmp:
         merged.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=dtype).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=saved_dtype, use_safetensors=True).eval()
         back = reloaded.state_dict()
         if back.keys() != weights.keys() or not all(torch.equal(back[k], weights[k]) for k in weights):
             raise MergeError("the merged model read back from disk has other weights; nothing written")
         with torch.no_grad():  # upcast first: this measures the rounding of the saved weights, not bf16 arithmetic
             rounding = (reloaded.float()(input_ids=ids).logits - reference).abs().max().item()
-        if dtype == torch.float32 and not rounding <= tolerance:
+        if dtype == "fp32" and not rounding <= tolerance:
             raise MergeError(f"the merged model read back from disk differs by {rounding:.3g}; nothing written")
-    say(f"saved in {str(dtype).replace('torch.', '')}, read back with plain transformers: same weights "
+    say(f"saved in {DTYPES[dtype]}, read back with plain transformers: same weights "
         f"(run in float32: max |logit diff| to base+adapter {rounding:.1e}); wrote {output_dir}")
-    return {"max_abs_diff": diff, "saved_dtype": str(dtype).replace("torch.", ""), "dtype_rounding": rounding,
+    return {"max_abs_diff": diff, "saved_dtype": DTYPES[dtype], "dtype_rounding": rounding,
             "adapter_parameters": adapter_params, "model_parameters": sum(p.numel() for p in merged.parameters()),
             "output": str(output_dir)}
 
@@ -436,8 +247,6 @@ def merge_precision_table(std=0.02, seed=0):
     import torch
     from peft import PeftModel
 
-    from dslab import models
-
     torch.manual_seed(seed)
     adapted = attach_lora(models.load_model(), target_modules=DEFAULT_TARGETS + ("lm_head",))
     with torch.no_grad():
@@ -447,7 +256,7 @@ def merge_precision_table(std=0.02, seed=0):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         save_adapter(adapted, f"{tmp}/adapter")
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in ("fp32", "bf16"):
             report = merge(None, f"{tmp}/adapter", f"{tmp}/merged-{dtype}", dtype=dtype, verbose=False)
             rows.append({"merge": f"dslab merge, saved in {report['saved_dtype']}", "max |logit diff|": report["dtype_rounding"]})
         naive = PeftModel.from_pretrained(models.load_model(), f"{tmp}/adapter").merge_and_unload()  # head still tied
@@ -460,89 +269,3 @@ def dir_size(path):
     """Total bytes of the files in a directory tree."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------
-def _cli_merge(args):
-    from dslab import dist
-
-    dist.quiet()
-    try:
-        import torch
-
-        merge(args.model, args.adapter, args.output, tolerance=args.tolerance, dtype=getattr(torch, args.dtype))
-    except (AdapterError, MergeError, PermissionError, NotADirectoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def add_commands(subparsers):
-    """`dslab merge`."""
-    p = subparsers.add_parser("merge", help="merge a LoRA adapter into its base model (verified, atomic)")
-    p.add_argument("--model", default=None, help="base model directory or name (default: the base recorded in the "
-                                                 "adapter when it is a local directory, else dslab-tiny)")
-    p.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + weights)")
-    p.add_argument("--output", required=True, help="where the merged HF model is written")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |logit difference| (float32)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="dtype of the saved model (default float32: exact; bfloat16 rounds small LoRA updates away)")
-    p.set_defaults(func=_cli_merge)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Chapter 06 exercises (checked by dslab.exercises; solutions in notebooks/solutions/06_solutions.py)
-# ----------------------------------------------------------------------------------------------------
-def _register_exercises():
-    from dslab.exercises import exercise, expect
-
-    # W = I, B = [[1], [2]], A = [[3, 4]], r = 1, alpha = 2: W + (alpha / r) B A.
-    expect("06.merged_weight", [[7, 8], [12, 17]], wrong=([[4, 4], [6, 9]], [[7, 12], [8, 17]], [[3, 4], [6, 8]]),
-           hint="B A is the outer product [[3, 4], [6, 8]]; scale it by alpha / r = 2 and add the identity.")
-    # lora_A of shape [16, 256] (4096 values) under ZeRO-3 on 4 ranks, read on rank 0 without gathering.
-    expect("06.zero3_numel", [0, 1024], wrong=([4096, 1024], [1024, 1024], [0, 4096], [4096, 4096]),
-           hint="ZeRO-3 leaves p.data an empty placeholder on every rank and keeps 1/world_size of the values "
-                "in p.ds_tensor.")
-    exercise("06.merge_call", hint="merge(peft_model) must return a plain model whose logits equal base + adapter",
-             wrong=(lambda m: m.unload(), lambda m: m, lambda m: m.merge_adapter(),
-                    lambda m: m.get_base_model()))(check_merge_call)
-
-
-def check_merge_call(merge_fn):
-    """Run the learner's `merge(peft_model)` on dslab-tiny with a trained-looking adapter; name what is wrong."""
-    import torch
-    from peft import PeftModel
-
-    from dslab import models
-    from dslab.exercises import Mistake
-
-    torch.manual_seed(0)
-    peft_model = attach_lora(models.load_model(), r=4, alpha=8).eval()
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.02)  # B = 0 would make any answer look right
-    ids = probe_ids(peft_model.config.vocab_size)
-    with torch.no_grad():
-        expected = peft_model(input_ids=ids).logits
-    merged = merge_fn(peft_model)
-    if merged is None:
-        raise Mistake("your function returned None: merge_adapter() merges in place, keeps the LoRA layers and "
-                      "returns nothing; merge_and_unload() returns the plain model with W + (alpha/r) B A folded in")
-    if isinstance(merged, PeftModel):
-        raise Mistake("that is still a PeftModel with its LoRA layers: merge_and_unload() returns the plain "
-                      "transformers model")
-    left = [n for n, _ in merged.named_modules() if n.endswith("lora_A")]
-    if left:
-        raise Mistake(f"LoRA layers are still in the model ({left[0]}, ...): get_base_model() returns the inner "
-                      "model with its adapters still attached; merge_and_unload() folds them in and removes them")
-    with torch.no_grad():
-        diff = (merged(input_ids=ids).logits - expected).abs().max().item()
-    if diff > 1e-4:
-        raise Mistake(f"the returned model's logits differ from base + adapter by {diff:.2g}: unload() removes the "
-                      "adapter without merging it (you get the base model back); use merge_and_unload()")
-    return True
-
-
-_register_exercises()

@@ -1,36 +1,68 @@
-"""The tiny local base model "dslab-tiny" and its tokenizer: build, pretrain under DeepSpeed, save, load.
+"""Loading the course's models: dslab-tiny (or any causal LM), its tokenizer, and a LoRA adapter on top.
 
 Everything loads through AutoModelForCausalLM / AutoTokenizer.from_pretrained, the same code path as a real
 Qwen2 checkpoint: pass a hub id such as Qwen/Qwen2-0.5B (or set DSLAB_MODEL) and nothing else changes.
+`load_model` is the one loader: with `adapter=` it puts a checked LoRA adapter on the base (the adapter's own
+files are read and checked here, before PEFT sees them). Building dslab-tiny from scratch is dslab.pretrain.
 """
 import json
-import math
 import os
-import time
 from pathlib import Path
 
+from dslab.files import atomic_dir
 from dslab.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401 (re-exported)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "dslab-tiny"
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "data" / "corpus"
-def resolve_model(name_or_path=None):
-    """What to load: the argument, else $DSLAB_MODEL, else the committed dslab-tiny directory (a str)."""
-    return str(name_or_path or os.environ.get("DSLAB_MODEL") or DEFAULT_MODEL_DIR)
+# dslab's one dtype vocabulary (the names DeepSpeed configs use) -> torch's name, used only where torch is called.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def load_model(path=None, dtype=None, trust_remote_code=False):
-    """A causal LM from a local HF directory or hub id; weights from safetensors only; float32 by default."""
+class AdapterError(ValueError):
+    """An adapter directory or state dict that must not be used (empty, size-0, or not an adapter at all)."""
+
+
+def torch_dtype(name):
+    """The torch dtype for "fp32" / "bf16" / "fp16"; ValueError naming the choices for anything else."""
     import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(map(repr, DTYPES))}")
+    return getattr(torch, DTYPES[name])
+
+
+def resolve_model(path=None, adapter=None):
+    """What to load (a str): `path`, else the local base an `adapter` records, else $DSLAB_MODEL, else dslab-tiny."""
+    return str(path or (adapter_base(adapter) if adapter else None) or os.environ.get("DSLAB_MODEL")
+               or DEFAULT_MODEL_DIR)
+
+
+def load_model(path=None, adapter=None, dtype="fp32", merge_adapter=False, trust_remote_code=False):
+    """A causal LM in eval mode, weights from safetensors only.
+
+    path: local HF directory or hub id (see resolve_model). adapter: a LoRA adapter directory, checked and put
+    on top (a PeftModel); merge_adapter=True folds it into the weights and returns the plain model (what
+    DeepSpeed AutoTP needs: it splits plain linear layers, not LoRA wrappers). dtype: "fp32", "bf16" or "fp16".
+    """
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype or torch.float32,
+
+    if adapter:
+        read_adapter(adapter)  # a broken adapter fails here, before anything big is loaded
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(path, adapter), dtype=torch_dtype(dtype),
                                                  use_safetensors=True, trust_remote_code=trust_remote_code)
+    if adapter:
+        model = apply_adapter(model, adapter)
+        if merge_adapter:
+            model = model.merge_and_unload()
     return model.eval()
 
 
-def load_tokenizer(path=None, trust_remote_code=False):
-    """The tokenizer saved beside the model (chat template included)."""
+def load_tokenizer(path=None, adapter=None, trust_remote_code=False):
+    """The tokenizer saved beside the model (chat template included); same `path`/`adapter` rule as load_model."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model(path), trust_remote_code=trust_remote_code)
+
+    return AutoTokenizer.from_pretrained(resolve_model(path, adapter), trust_remote_code=trust_remote_code)
 
 
 def tiny_config(**overrides):
@@ -65,116 +97,134 @@ def count_parameters(model):
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-# ----------------------------------------------------------------------------------------------------
-# Pretraining under DeepSpeed
-# ----------------------------------------------------------------------------------------------------
-def pretrain_config(micro_batch_size, steps, lr, warmup):
-    """The DeepSpeed config of the pretraining run: one process, bf16 compute with fp32 master weights.
-
-    ZeRO stage 1 on a single rank partitions nothing, but keeps the fp32 master weights and Adam states
-    in one flat buffer: the optimizer step is a few large ops instead of one small op per tensor
-    (about 3x faster than stage 0's bf16 step on a 2-core CPU).
-    """
-    from dslab.config import make_config
-    return make_config(
-        zero_stage=1, precision="bf16", micro_batch_size=micro_batch_size, grad_accum_steps=1, world_size=1, lr=lr,
-        optimizer={"params": {"betas": [0.9, 0.95], "weight_decay": 0.1}},
-        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_num_steps": warmup,
-                                                        "warmup_type": "linear", "cos_min_ratio": 0.1}},
-    )
-
-
-def unigram_perplexity(train_blocks, valid_blocks, vocab_size):
-    """Perplexity on valid of a model that only knows token frequencies in train (add-one smoothing)."""
-    import torch
-    counts = torch.bincount(train_blocks.flatten(), minlength=vocab_size).double() + 1
-    logp = (counts / counts.sum()).log()
-    return math.exp(-logp[valid_blocks.flatten()].mean().item())
-
-
-def build_base(output=DEFAULT_MODEL_DIR, steps=650, seq_len=256, micro_batch_size=16, lr=2e-3, seed=0,
-               vocab_size=10240, progress=None, max_docs=None):
-    """Train the tokenizer, pretrain dslab-tiny under DeepSpeed, save both to `output`; returns a report dict."""
-    import deepspeed
-    import torch
-    from dslab import corpus, data, train
-
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    train_docs = corpus.read_corpus(CORPUS_DIR / "train.txt")[:max_docs]  # max_docs: quick smoke runs only
-    valid_docs = corpus.read_corpus(CORPUS_DIR / "valid.txt")
-    tokenizer = train_tokenizer(train_docs, vocab_size)  # every GB2312 character one token (dslab.tokenizer)
-    train_blocks = data.lm_blocks(tokenizer, train_docs, seq_len)  # [n, seq_len]
-    valid_blocks = data.lm_blocks(tokenizer, valid_docs, seq_len)
-
-    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
-    model = build_model(config, seed=seed)
-    train.init_single_process()
-    ds_config = pretrain_config(micro_batch_size, steps, lr, warmup=max(1, steps // 20))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    t_train = time.perf_counter()
-    log = train.train(engine, data.block_batches(train_blocks, micro_batch_size, seed=seed), steps,
-                      desc="pretrain dslab-tiny", progress=progress, log_every=10)
-    train_seconds = time.perf_counter() - t_train
-
-    model = engine.module.to(torch.bfloat16)  # what the engine trained; saved as bf16 (8 MB)
-    valid_loss = train.evaluate_loss(model, ({"input_ids": b, "labels": b} for b in valid_blocks.split(micro_batch_size)))
-    save_pretrained(model, tokenizer, output)
-    report = {
-        "params": count_parameters(model), "steps": steps, "tokens_seen": steps * micro_batch_size * seq_len,
-        "train_tokens": train_blocks.numel(), "valid_tokens": valid_blocks.numel(),
-        "final_train_loss": log[-1]["loss"], "valid_loss": valid_loss, "valid_perplexity": math.exp(valid_loss),
-        "vocab_size": len(tokenizer), "unigram_perplexity": unigram_perplexity(train_blocks, valid_blocks, len(tokenizer)),
-        # wall time depends on what else the machine runs; CPU time (all threads) much less so
-        "seconds": time.perf_counter() - t0, "train_seconds": train_seconds, "cpu_seconds": time.process_time() - cpu0,
-        "loss_log": log,
-    }
-    (Path(output) / "build_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    return report
-
-
 def save_pretrained(model, tokenizer, output):
-    """Save model (safetensors), generation config and tokenizer files in Hugging Face format."""
+    """Save model (safetensors), generation config and tokenizer files in Hugging Face format, atomically."""
     from transformers import GenerationConfig
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     end, eot = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Stop at the end of a chat turn and at the end of a document; greedy unless asked otherwise.
     model.generation_config = GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot, do_sample=False,
                                                max_new_tokens=64)
-    model.save_pretrained(output, safe_serialization=True)
-    tokenizer.save_pretrained(output)
+    with atomic_dir(output) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
 
 
-def _cmd_build_base(args):
-    """`dslab build-base`: rebuild the base model from the committed corpus."""
-    # Idle OpenMP threads sleep instead of spinning: on a CPU shared with other jobs, spinning threads
-    # burn the cores the others need (measured here: ~3x less CPU time per step under load).
-    # Read once when torch loads, so it only takes effect if torch is not imported yet.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dslab import corpus
-    if args.regenerate_corpus:
-        for path in corpus.write_all(CORPUS_DIR.parent):
-            print(f"wrote {path}")
-    report = build_base(args.output, steps=args.steps, seed=args.seed, progress=not args.quiet,
-                        max_docs=args.max_docs)
-    print(f"params {report['params']:,}  steps {report['steps']}  tokens seen {report['tokens_seen']:,}")
-    print(f"valid perplexity {report['valid_perplexity']:.2f} (vocab {report['vocab_size']}, "
-          f"ratio {report['valid_perplexity'] / report['vocab_size']:.5f}; unigram baseline "
-          f"{report['unigram_perplexity']:.1f})")
-    print(f"built in {report['seconds']:.0f} s ({report['cpu_seconds']:.0f} CPU seconds); saved to {args.output}")
-    return 0
+# ----------------------------------------------------------------------------------------------------
+# LoRA adapters on disk: read, check, put on a base model
+# ----------------------------------------------------------------------------------------------------
+def is_adapter_key(key):
+    """True for the state-dict keys PEFT saves for an adapter (LoRA matrices, modules_to_save)."""
+    return "lora_" in key or "modules_to_save" in key
 
 
-def add_commands(subparsers):
-    """Register `dslab build-base`."""
-    import argparse
-    p = subparsers.add_parser("build-base", help="rebuild the tiny base model (tokenizer + DeepSpeed pretraining)",
-                              description="Train the tokenizer and pretrain dslab-tiny on the kit's corpus under DeepSpeed.")
-    p.add_argument("--output", default=str(DEFAULT_MODEL_DIR), help="where to save (default: data/dslab-tiny)")
-    p.add_argument("--steps", type=int, default=650, help="optimizer steps of 16 x 256 tokens (default 650)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)  # smoke tests: a corpus slice
-    p.add_argument("--regenerate-corpus", action="store_true", help="rewrite data/corpus from dslab.corpus first")
-    p.set_defaults(func=_cmd_build_base)
+# PEFT also saves the (frozen) embedding / output head when an adapter targets one of them.
+_EMBEDDING_KEYS = ("embed_tokens.weight", "embed_tokens.base_layer.weight", "lm_head.weight",
+                   "lm_head.base_layer.weight", "wte.weight", "embed_out.weight")
+
+
+def check_adapter_state(state_dict, where="adapter"):
+    """Raise AdapterError unless `state_dict` holds real (non-empty) LoRA tensors, and not a whole model."""
+    if not state_dict:
+        raise AdapterError(f"{where} holds no tensors at all: nothing was trained or saved. "
+                           "Check target_modules and that the adapter was saved after training.")
+    empty = sorted(k for k, v in state_dict.items() if v.numel() == 0)  # sorted: the same example every time
+    if empty:
+        raise AdapterError(
+            f"{where} has {len(empty)} size-0 tensors (e.g. {empty[0]!r} with shape {tuple(state_dict[empty[0]].shape)}). "
+            "These are ZeRO-3 placeholders: the weights were saved without gathering the partitions. "
+            "Save with dslab.lora.save_adapter (gathers under ZeRO-3) or from a non-ZeRO process.")
+    lora_keys = [k for k in state_dict if is_adapter_key(k)]
+    foreign = [k for k in state_dict if not is_adapter_key(k) and not k.endswith(_EMBEDDING_KEYS)]
+    if not lora_keys or foreign:
+        example = (foreign or list(state_dict))[0]
+        raise AdapterError(
+            f"{where} is not a LoRA adapter: {len(state_dict) - len(lora_keys)} of {len(state_dict)} tensors are plain "
+            f"model weights (e.g. {example!r}). This looks like a full model's state dict; load it as the model "
+            "(--model DIR), not as an adapter.")
+
+
+def _looks_like_full_model(path):
+    return (path / "config.json").exists() and any(path.glob("model*.safetensors")) or (path / "pytorch_model.bin").exists()
+
+
+def read_adapter(adapter_dir):
+    """(adapter config dict, state dict) of a saved PEFT adapter, checked; AdapterError says what is wrong."""
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir)
+    if path.is_file():
+        if path.suffix == ".safetensors":  # someone pointed at a weights file: say what it holds
+            check_adapter_state(load_file(str(path)), where=f"{str(adapter_dir)!r}")
+        raise AdapterError(f"{str(adapter_dir)!r} is a file; pass the adapter directory that holds "
+                           f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    if not path.is_dir():
+        raise AdapterError(f"adapter directory {str(adapter_dir)!r} does not exist")
+    if not (path / ADAPTER_CONFIG).exists():
+        if _looks_like_full_model(path):
+            raise AdapterError(f"{str(adapter_dir)!r} is a full model (config.json + weights), not a LoRA adapter: "
+                               "pass it as --model, or pass the adapter directory (with adapter_config.json).")
+        raise AdapterError(f"{str(adapter_dir)!r} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.exists():  # so PEFT, which prefers safetensors, never falls back to a pickled .bin
+        raise AdapterError(f"{str(adapter_dir)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    state = load_file(str(weights))
+    check_adapter_state(state, where=f"adapter {str(adapter_dir)!r}")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    return config, state
+
+
+def adapter_base(adapter_dir):
+    """The base model an adapter records (PEFT's base_model_name_or_path) if it is a local directory, else None."""
+    config, _ = read_adapter(adapter_dir)
+    recorded = config.get("base_model_name_or_path")
+    return recorded if recorded and Path(recorded).is_dir() else None
+
+
+def check_adapter_fits(base, state, adapter_dir):
+    """AdapterError unless every LoRA matrix of `state` fits the layer of `base` it adapts (same in/out sizes)."""
+    import torch
+
+    for key, tensor in state.items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            continue
+        layer = key.split(".lora_")[0].removeprefix("base_model.model.")
+        try:
+            module = base.get_submodule(layer)
+        except AttributeError:
+            raise AdapterError(f"adapter {str(adapter_dir)!r} adapts {layer}, which this base model does not have: "
+                               "pass the base it was trained on as --model") from None
+        if isinstance(module, torch.nn.Linear):
+            size, wanted = (tensor.shape[1], module.in_features) if ".lora_A." in key else (tensor.shape[0], module.out_features)
+            if size != wanted:
+                raise AdapterError(f"adapter {str(adapter_dir)!r} was trained on another base model: its {layer} has "
+                                   f"size {size} where this base has {wanted}; pass the base it was trained on as --model")
+
+
+def untie_output_head(model):
+    """Give lm_head its own copy of the embedding matrix, so merging a LoRA on lm_head leaves inputs alone.
+
+    With tie_word_embeddings the head and the input embedding are one tensor: merging B·A into the head
+    would also change every token's input embedding, and the merged model would answer differently.
+    """
+    import torch
+
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or emb is None or head.weight is not emb.weight:
+        return False
+    head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    return True
+
+
+def apply_adapter(base, adapter_dir):
+    """The loaded `base` with a checked adapter from `adapter_dir` on top: a PeftModel in eval mode."""
+    from peft import PeftModel
+
+    _, state = read_adapter(adapter_dir)  # fail with a clear message before PEFT does with an obscure one
+    check_adapter_fits(base, state, adapter_dir)
+    head = next((n for n, m in base.named_modules() if m is base.get_output_embeddings()), None)
+    if head and any(f".{head}." in k for k in state):
+        untie_output_head(base)  # the adapter changes the head: it must stop sharing the input embedding
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()

@@ -1,4 +1,4 @@
-"""Tensor-parallel inference with deepspeed.init_inference (AutoTP), and the `dslab infer --tp N` path.
+"""Tensor-parallel inference with deepspeed.init_inference (AutoTP); `dslab infer --tp N` runs it on N ranks.
 
 AutoTP splits every linear layer of a decoder block across the tensor-parallel ranks:
 - q/k/v, gate/up projections are split by output features (columns of the math, rows of the weight):
@@ -18,20 +18,11 @@ import os
 import sys
 import time
 
-DTYPES = ("float32", "bfloat16", "float16")
+from dslab.models import DTYPES
 
 
 class TPInferenceError(RuntimeError):
     """Tensor-parallel inference cannot run as asked; the message says why and what to do."""
-
-
-def torch_dtype(name):
-    """torch dtype for "float32" / "bfloat16" / "float16"."""
-    import torch
-
-    if name not in DTYPES:
-        raise TPInferenceError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -84,16 +75,16 @@ def kernel_inject_families():
     return sorted(names)
 
 
-def has_gpu():
-    """True when DeepSpeed's accelerator is a CUDA GPU."""
+def accelerator_is_cuda():
+    """True when DeepSpeed's accelerator is a CUDA GPU (what its fused inference kernels need)."""
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name() == "cuda"
 
 
-def kernel_inject_problem(model=None, dtype="float16"):
+def kernel_inject_problem(model=None, dtype="fp16"):
     """Why kernel injection cannot run here (a message), or None when it can."""
-    if not has_gpu():
+    if not accelerator_is_cuda():
         from deepspeed.accelerator import get_accelerator
 
         return (f"kernel injection needs a CUDA GPU: DeepSpeed's fused inference kernels are CUDA code, and this "
@@ -229,166 +220,36 @@ def timed_generate(model, tokenizer, prompts, new_tokens=32, repeats=1):
     return {"seconds": best, "latency_ms": 1000 * best / len(prompts), "tokens": tokens, "tokens_per_s": tokens / best}
 
 
-def load_model(model=None, adapter=None, dtype="float32"):
-    """(model, tokenizer); a LoRA adapter is merged first (AutoTP splits plain linear layers, not LoRA wrappers)."""
-    from dslab import models
-
-    m = models.load_model(model, dtype=torch_dtype(dtype))
-    if adapter:
-        from dslab import lora
-
-        m = lora.apply_adapter(m, adapter).merge_and_unload()
-    return m, models.load_tokenizer(model)
-
-
 # ----------------------------------------------------------------------------------------------------
-# `dslab infer --tp N` / `--kernel-inject`
+# On N ranks: `dslab infer --tp N` / `--kernel-inject`
 # ----------------------------------------------------------------------------------------------------
-def run(prompts, tp=2, model=None, adapter=None, dtype="float32", kernel_inject=False, max_new_tokens=64,
-        chat=False, system=None, temperature=0.0, benchmark_tokens=0, logits=False, timeout=None, stream=False):
-    """Generate on `tp` ranks with dslab/recipes/tp_infer.py; returns rank 0's result dict.
+def generate_tensor_parallel(prompts, tp=2, model=None, adapter=None, dtype="fp32", kernel_inject=False,
+                             max_new_tokens=64, chat=False, system=None, temperature=0.0, benchmark_tokens=0,
+                             logits=False, timeout=None, stream=False):
+    """Generate with the model split over `tp` ranks (dslab/recipes/tp_infer.py); returns rank 0's result dict.
 
-    logits=True: rank 0 also saves generate_with_logits' logits; its result's "logits_file" names the file.
-    stream=None shows what the ranks print (the config first), False nothing.
+    dtype: "fp32", "bf16" or "fp16". logits=True: rank 0 also saves generate_with_logits' logits; its result's
+    "logits_file" names the file. stream=None shows what the ranks print (the config first), False nothing.
     """
     from dslab import launch
 
     if not prompts:
         raise TPInferenceError("give at least one prompt")
+    if dtype not in DTYPES:
+        raise TPInferenceError(f"dtype {dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
     if kernel_inject:
         problem = kernel_inject_problem(None, dtype)
         if problem:
             raise TPInferenceError(problem)
-    elif dtype == "float16" and not has_gpu():
+    elif dtype == "fp16" and not accelerator_is_cuda():
         raise TPInferenceError("float16 inference needs a GPU here; use --dtype bfloat16 or float32 on CPU")
     options = dict(model=model, adapter=adapter, dtype=dtype, kernel_inject=kernel_inject, max_new_tokens=max_new_tokens,
                    chat=chat, system=system, temperature=temperature, benchmark_tokens=benchmark_tokens, logits=logits)
-    defaults = dict(model=None, adapter=None, dtype="float32", kernel_inject=False, max_new_tokens=64, chat=False,
+    defaults = dict(model=None, adapter=None, dtype="fp32", kernel_inject=False, max_new_tokens=64, chat=False,
                     system=None, temperature=0.0, benchmark_tokens=0, logits=False)  # the recipe's; only changes pass
     kwargs = {k: v for k, v in options.items() if v != defaults[k]}
     result = launch.run("tp_infer", world_size=tp, timeout=timeout, stream=stream, prompts=list(prompts), **kwargs)
     return result.rank0
-
-
-def _cli(args, fallback):
-    """`dslab infer`: plain HF generation (fallback) unless --tp > 1 or --kernel-inject."""
-    if args.tp < 1:
-        print("error: --tp must be at least 1", file=sys.stderr)
-        return 2
-    if args.tp == 1 and not args.kernel_inject:
-        return fallback(args)
-    from dslab import dist, infer, launch
-
-    prompts = infer.read_prompts(args)
-    if not prompts:
-        print("dslab infer: give at least one --prompt TEXT or a --prompts-file", file=sys.stderr)
-        return 2
-    dist.quiet()
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # the launcher's command line; stdout keeps only the answers
-            result = run(prompts, tp=args.tp, model=args.model, adapter=getattr(args, "adapter", None),
-                         dtype=args.dtype, kernel_inject=args.kernel_inject, max_new_tokens=args.max_new_tokens,
-                         chat=args.chat, system=args.system, temperature=args.temperature)
-    except (TPInferenceError, launch.LaunchError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, TPInferenceError) else 1
-    infer.print_completions(result["prompts"], result["completions"], args.json)
-    return 0
-
-
-def add_arguments(parser, fallback):
-    """Add --tp and --kernel-inject to `dslab infer` and route those runs here; others go to `fallback`."""
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel ranks: split the model across N processes with DeepSpeed AutoTP")
-    parser.add_argument("--kernel-inject", action="store_true",
-                        help="replace transformer blocks with DeepSpeed's fused CUDA kernels (GPU only)")
-    parser.set_defaults(func=lambda args: _cli(args, fallback))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Chapter 07 exercises (checked by dslab.exercises; solutions in notebooks/solutions/07_solutions.py)
-# ----------------------------------------------------------------------------------------------------
-def _register_exercises():
-    from dslab.exercises import exercise, expect
-
-    # dslab-tiny: 4 blocks, each with one all-reduce after o_proj and one after down_proj (AutoTP).
-    expect("07.allreduces_per_token", 8, wrong=(4, 2, 16, 7),
-           hint="AutoTP puts an all-reduce after each row-split layer: o_proj and down_proj in every block. "
-                "Count the blocks (model.config.num_hidden_layers).")
-    # v_proj of dslab-tiny is 256 -> 128 (2 KV heads x 64); split by output features over tp=2.
-    expect("07.v_proj_shard", [64, 256], wrong=([128, 128], [128, 256], [64, 128], [256, 64]),
-           hint="a torch Linear's weight is [out_features, in_features]; AutoTP splits v_proj by output features, "
-                "so each of the 2 ranks keeps half of the rows.")
-    exercise("07.init_inference", hint="make_engine(model) must return deepspeed.init_inference(model, ...)",
-             wrong=WRONG_INIT_INFERENCE)(check_init_inference)
-
-
-def _wrong_init_inference(**kwargs):
-    def make_engine(model):
-        import deepspeed
-
-        return deepspeed.init_inference(model, **kwargs)
-    return make_engine
-
-
-def _wrong_kwargs():
-    import torch
-
-    return ({}, {"dtype": torch.bfloat16}, {"dtype": torch.float32, "tensor_parallel": {"tp_size": 2}},
-            {"dtype": torch.float32, "replace_with_kernel_inject": True})
-
-
-WRONG_INIT_INFERENCE = tuple(_wrong_init_inference(**kw) for kw in _wrong_kwargs()) + (lambda model: model,)
-
-
-def check_init_inference(make_engine):
-    """Run the learner's `make_engine(model)` in this process (a world of 1) on dslab-tiny and compare its greedy
-    answer and logits with plain Hugging Face generation in float32; name what is wrong."""
-    import copy
-
-    import torch
-    from deepspeed.inference.engine import InferenceEngine
-
-    from dslab import infer, models, train
-    from dslab.exercises import Mistake
-
-    train.init_single_process(quiet=True)
-    tokenizer, model = models.load_tokenizer(), models.load_model().eval()
-    ids = tokenizer(infer.prompt_text(tokenizer, "Who are you?", chat=True), return_tensors="pt")
-    with torch.no_grad():
-        expected = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        expected_logits = model(**ids).logits
-    try:
-        engine = make_engine(copy.deepcopy(model))
-    except ValueError as err:
-        if "float16" in str(err):
-            raise Mistake(f"DeepSpeed says: {err}. init_inference's dtype defaults to torch.float16, which the CPU "
-                          "accelerator refuses: pass dtype=torch.float32") from None
-        if "world size" in str(err):
-            raise Mistake(f"DeepSpeed says: {err}. tensor_parallel={{'tp_size': 2}} needs 2 ranks and this is one "
-                          "process: tp_size 1 here (tp=2 runs on 2 ranks through the launcher)") from None
-        raise
-    if not isinstance(engine, InferenceEngine):
-        raise Mistake(f"that returned a {type(engine).__name__}: return the InferenceEngine that "
-                      "deepspeed.init_inference(model, ...) gives back")
-    if engine._config.replace_with_kernel_inject:
-        raise Mistake("replace_with_kernel_inject=True asks for DeepSpeed's fused GPU kernels; there are none for "
-                      "Qwen2 and no GPU here, so DeepSpeed leaves the model's layers as they were. Use "
-                      "replace_with_kernel_inject=False (AutoTP: the model's own layers)")
-    dtype = next(engine.module.parameters()).dtype
-    with torch.no_grad():
-        logits = engine(**ids).logits
-        output = engine.module.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    diff = (logits.float() - expected_logits).abs().max().item()
-    if dtype != torch.float32:
-        raise Mistake(f"the engine converted the weights to {dtype}: its logits differ from float32 Hugging Face by "
-                      f"{diff:.2g}. Pass dtype=torch.float32 to compare with plain generation")
-    if not torch.equal(output, expected) or diff > 1e-5:
-        raise Mistake(f"the engine's greedy answer or logits differ from Hugging Face's (max |logit diff| {diff:.2g})")
-    return True
-
-
-_register_exercises()
 
 
 def plot_speed(rows):

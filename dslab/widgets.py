@@ -84,7 +84,7 @@ class ZeroExplorer:
     re-measures in seconds, with no new launch; the measure button does the same for the model size on the
     slider. The model measured has the slider's size when its run fits `budget` bytes per rank, else the
     largest that does (the status line says so). Without ranks, the button launches real ranks instead
-    (dslab.memory.measure, the chapter's small model). measure_fn(zero_stage, world_size, offload_optimizer,
+    (dslab.zero.measure, the chapter's small model). measure_fn(zero_stage, world_size, offload_optimizer,
     offload_param, params) -> a dslab.memory report replaces both.
     """
 
@@ -106,7 +106,7 @@ class ZeroExplorer:
             self.measure_fn = lambda s, n, oo, op, psi: zero.measure_live(ranks, s, oo, op, params=psi,
                                                                           budget=self.budget)
         else:
-            self.measure_fn = lambda s, n, oo, op, psi: memory.measure(s, n, oo, op, stream=False)
+            self.measure_fn = lambda s, n, oo, op, psi: zero.measure(s, n, oo, op, stream=False)
         self.measure_world_sizes = (ranks.world_size,) if ranks is not None else tuple(measure_world_sizes)
         self.measured = None  # the last measured report, drawn while the controls still match it
         self.seconds = None   # how long the last measurement took

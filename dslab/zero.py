@@ -4,13 +4,14 @@ Rank side (called on every rank, by the zero_memory recipe or on live ranks with
   run(ds_config, ...)      one engine: build the model, deepspeed.initialize, train, snapshot the bytes
   run_setups(setups, ...)  several setups one after another in the same ranks (chapter 04's sweep)
 Kernel side:
-  fit_params(...)          the largest model whose run fits a memory budget per rank
-  measure_live(ranks, ...) one setup on already-running ranks -> a dslab.memory report with its ds_config
+  measure(zero_stage, ...)  one setup on new ranks (the zero_memory recipe) -> a dslab.memory report
+  fit_params(...)           the largest model whose run fits a memory budget per rank
+  measure_live(ranks, ...)  one setup on already-running ranks -> a dslab.memory report with its ds_config
 """
 import gc
 import time
 
-from dslab import memory
+from dslab import engine_memory, memory
 
 # Chapter 04's model: the dslab-tiny architecture, made small (1.4M parameters, untied embeddings) so that
 # several stages run one after another in seconds. Its weights are random: the vocabulary only sets a size.
@@ -84,7 +85,7 @@ def run(ds_config, shape=None, model=None, steps=2, seq_len=32, seed=0, comms=Fa
             if last and i == 0 and accum > 1:
                 # after backward of a micro-step that is NOT the accumulation boundary: stage 1 still holds
                 # full gradients, stage 2 only its partition; Adam's states exist since the first step.
-                snapshot = memory.measure_engine(engine)
+                snapshot = engine_memory.measure_engine(engine)
                 if not finish:
                     break
             engine.step()
@@ -136,6 +137,48 @@ def run_setups(setups, shape=None, model=None, steps=3, grad_accum_steps=2, micr
     return {"rank": rank, "world_size": world_size, "runs": runs}
 
 
+# --------------------------------------------------------------------------- kernel side: new ranks
+
+def measure(zero_stage, world_size=2, offload_optimizer=False, offload_param=False, model=None, shape=None,
+            steps=2, timeout=900, stream=None):
+    """Launch `world_size` new ranks running the zero_memory recipe; return the report (theory + measured).
+
+    model: a local checkpoint directory; shape: tiny_config overrides (default: dslab-tiny's shape).
+    stream: where the ranks' output goes (see dslab.launch.run). Raises ValueError for a setup that cannot be.
+    """
+    from dslab import launch
+
+    memory.check_setup(zero_stage, world_size, "bf16", offload_optimizer, offload_param)
+    setup = {"zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param}
+    kwargs = {"setups": [setup], "steps": steps}
+    if model:
+        kwargs["model"] = str(model)
+    if shape:
+        kwargs["shape"] = dict(shape)
+    result = launch.run("zero_memory", world_size=world_size, timeout=timeout, stream=stream, **kwargs)
+    return memory.report_from_results(result.results, 0)
+
+
+def hidden_shape(hidden):
+    """tiny_config overrides for this hidden_size, with an MLP of ~8/3 x hidden (a multiple of 16) as dslab-tiny."""
+    return {"hidden_size": hidden, "intermediate_size": int(round(hidden * 8 / 3 / 16)) * 16}
+
+
+def shape_for_params(target, **fixed):
+    """tiny_config overrides whose model has about `target` parameters (hidden_size searched, `fixed` kept)."""
+    from dslab.models import tiny_config
+
+    def count(hidden):
+        return memory.qwen2_params(tiny_config(**fixed, **hidden_shape(hidden)))
+
+    lo, hi = 1, 256  # hidden = 32 x h (a multiple of the 4 attention heads' even head size); count grows with h
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(32 * mid) < target else (lo, mid)
+    best = min({max(1, lo - 1), lo}, key=lambda h: abs(count(32 * h) - target))
+    return {**fixed, **hidden_shape(32 * best)}
+
+
 # --------------------------------------------------------------------------- kernel side: the explorer
 
 def fit_params(requested, zero_stage, world_size, offload_optimizer=False, offload_param=False,
@@ -171,8 +214,8 @@ def measure_live(ranks, zero_stage, offload_optimizer=False, offload_param=False
     if params is not None:
         fitted, needed = fit_params(params, zero_stage, world_size, offload_optimizer, offload_param, budget)
         # chapter 04's architecture (vocabulary, layers, untied head), widened to about `fitted` parameters
-        shape = memory.shape_for_params(fitted, **{k: v for k, v in SHAPE.items() if not k.endswith("_size")
-                                                   or k == "vocab_size"})
+        shape = shape_for_params(fitted, **{k: v for k, v in SHAPE.items() if not k.endswith("_size")
+                                            or k == "vocab_size"})
     ds_config = explorer_config(zero_stage, world_size, offload_optimizer, offload_param)
     results = ranks.apply(run_setups_config, ds_config, shape, steps)
     rep = memory.report_from_results(results, 0)
@@ -198,60 +241,52 @@ TRY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, voc
 
 
 def try_config(ds_config, timeout=300):
-    """Train one optimizer step under ds_config on one fresh rank (a subprocess) -> what that rank held.
+    """Train one optimizer step under ds_config on one fresh rank (the try_config recipe) -> what that rank held.
 
     Returns {"inner_optimizer", "memory", "zero_stage"}; raises RuntimeError with the rank's last error line
     if DeepSpeed refuses the config or the run fails. The batch is resized for one rank (train_batch_size out).
+    Quiet: nothing is printed and no run folder is left behind (a checker calls it from a notebook cell).
     """
+    import contextlib
+    import io
     import json
-    import os
-    import subprocess
-    import sys
+    import tempfile
 
-    from dslab.launch import free_port
+    from dslab import launch
 
     cfg = json.loads(json.dumps(ds_config))
     total = cfg.pop("train_batch_size", None)
     accum = cfg.get("gradient_accumulation_steps", 1)
     if "train_micro_batch_size_per_gpu" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = max(1, (total or 1) // accum)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "dslab.zero", json.dumps(cfg)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        errors = [line for line in (proc.stderr or "").splitlines() if line.strip()]
-        raise RuntimeError(errors[-1] if errors else f"the run exited with code {proc.returncode}")
-    return json.loads(lines[-1])
+    with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
+        try:
+            result = launch.run("try_config", world_size=1, timeout=timeout, stream=False, run_dir=run_dir,
+                                ds_config=cfg)
+        except launch.LaunchError as exc:  # the message ends with the rank's traceback: keep its last line
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else "the run failed") from None
+    if not result.rank0:
+        raise RuntimeError("the run left no result")
+    return result.rank0
 
 
-def _try_main(text):
-    """The subprocess of try_config: one rank, the tiny TRY_SHAPE model, one optimizer step, then measure."""
-    import json
-
+def try_step(ds_config):
+    """On this rank (the try_config recipe): the tiny TRY_SHAPE model, one optimizer step, then what it holds."""
     import deepspeed
     import torch
 
     from dslab import dist
     from dslab.models import build_model, tiny_config
 
-    dist.quiet()
     dist.init()
-    cfg = json.loads(text)
     net = build_model(tiny_config(**TRY_SHAPE))
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds_config)
     tokens = torch.randint(3, TRY_SHAPE["vocab_size"], (engine.train_micro_batch_size_per_gpu(), 16))
     for _ in range(engine.gradient_accumulation_steps()):
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    print(json.dumps({"inner_optimizer": type(inner).__name__, "zero_stage": engine.zero_optimization_stage(),
-                      "memory": memory.measure_engine(engine)}))
-
-
-if __name__ == "__main__":
-    import sys
-
-    _try_main(sys.argv[1])
+    return {"inner_optimizer": type(inner).__name__, "zero_stage": engine.zero_optimization_stage(),
+            "memory": engine_memory.measure_engine(engine)}

@@ -1,19 +1,20 @@
-"""The "Bad inputs" catalogue of DESIGN.md, item by item: each fails early, says what is wrong and how to fix
-it, and leaves what was on disk as it was.
+"""The catalogue of bad inputs a learner meets, item by item: each fails early, says what is wrong and how to fix
+it, and leaves what was on disk as it was. The list below is the catalogue (there is no other copy of it).
 
 Where each item is tested (this file fills the gaps: the point of use in `dslab sft`, and disk safety):
-- batch triple mismatch ........ test_config.py::test_batch_triple_mismatch_names_the_key_and_where_world_size_came_from;
+- batch triple mismatch ........ test_config_check.py::test_batch_triple_mismatch_names_the_key_and_where_world_size_came_from;
                                  here: test_bad_deepspeed_file_is_refused_before_launch[batch-triple]
-- "auto" outside the HF Trainer  test_config.py::test_auto_outside_the_hf_trainer; here: [auto]
-- numbers written as strings ... test_config.py::test_numbers_and_booleans_written_as_strings; here: [number-as-string]
-- fp16 and bf16 both on ........ test_config.py::test_fp16_and_bf16_both_enabled; here: [fp16-and-bf16]
-- fp16 on CPU .................. test_config.py::test_fp16_on_a_cpu_accelerator, ::test_fp16_on_this_machine_when_it_has_no_gpu;
-                                 here: [fp16-on-cpu]
-- bf16 on a GPU without support  test_config.py::test_bf16_on_a_gpu_without_bf16 (capability query mocked)
-- unknown / typo'd keys ........ test_config.py::test_misspelled_keys_at_every_level_get_a_suggestion,
+- "auto" outside the HF Trainer  test_config_check.py::test_auto_outside_the_hf_trainer; here: [auto]
+- numbers written as strings ... test_config_check.py::test_numbers_and_booleans_written_as_strings;
+                                 here: [number-as-string]
+- fp16 and bf16 both on ........ test_config_check.py::test_fp16_and_bf16_both_enabled; here: [fp16-and-bf16]
+- fp16 on CPU .................. test_config_check.py::test_fp16_on_a_cpu_accelerator,
+                                 ::test_fp16_on_this_machine_when_it_has_no_gpu; here: [fp16-on-cpu]
+- bf16 on a GPU without support  test_config_check.py::test_bf16_on_a_gpu_without_bf16 (capability query mocked)
+- unknown / typo'd keys ........ test_config_check.py::test_misspelled_keys_at_every_level_get_a_suggestion,
                                  test_sft.py::test_bad_deepspeed_file_is_refused_before_launch; here: [typo-key]
-- offload_param without stage 3  test_config.py::test_offload_param_needs_stage_3; here: [offload-param-stage-2]
-- stage not in 0-3 ............. test_config.py::test_stage_must_be_0_to_3; here: [stage-7]
+- offload_param without stage 3  test_config_check.py::test_offload_param_needs_stage_3; here: [offload-param-stage-2]
+- stage not in 0-3 ............. test_config_check.py::test_stage_must_be_0_to_3; here: [stage-7]
 - merge / state_dict under ZeRO-3 without gathering (size-0 weights)
                                  test_lora.py::test_save_refuses_size0_weights_and_keeps_the_previous_adapter,
                                  ::test_merge_refuses_bad_adapters_and_writes_nothing, test_sft.py (real ZeRO-3 run);
@@ -34,14 +35,16 @@ Where each item is tested (this file fills the gaps: the point of use in `dslab 
                                  here: test_prepare_with_no_compiler_on_path (real PATH stripped)
 - different inputs on AutoTP ranks
                                  test_tp_infer.py::test_different_prompts_on_ranks_are_refused
-- resume on another world size . test_sft.py::test_resume_needs_a_checkpoint_from_the_same_world_size
+- resume on another world size . test_sft.py::test_resume_on_another_world_size_needs_the_same_global_batch_and_zero
 - malformed data lines ......... test_data.py::test_broken_line_is_named_with_file_and_line (and others there),
                                  test_infer.py::test_cli_bad_prompts_file_names_the_line;
                                  here: test_malformed_sft_data_is_refused_before_launch
 """
+import ast
+import fnmatch
 import hashlib
 import json
-import os
+import re
 import socket
 from pathlib import Path
 
@@ -49,7 +52,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dslab import config, data, launch, lora, models, sft
+from dslab import config, config_check, data, launch, lora, models, sft
 
 
 def _snapshot(folder):
@@ -110,7 +113,7 @@ def test_bad_deepspeed_file_is_refused_before_launch(name, tmp_path, monkeypatch
     ds_file = tmp_path / "ds.json"
     ds_file.write_text(json.dumps(config.deep_merge(GOOD, changes)))
     before, ds_before = _snapshot(existing_output), ds_file.read_bytes()
-    with pytest.raises(config.ConfigError) as info:
+    with pytest.raises(config_check.ConfigError) as info:
         sft.run(output=str(existing_output), deepspeed=str(ds_file), world_size=2)
     message = str(info.value)
     assert key in message and problem.lower() in message.lower() and fix.lower() in message.lower(), message
@@ -135,7 +138,7 @@ def test_full_model_save_refuses_size0_weights_and_keeps_the_old_model(small_mod
     before = _snapshot(existing_output)
     try:
         param.data = torch.empty(0)
-        with pytest.raises(lora.AdapterError) as info:
+        with pytest.raises(models.AdapterError) as info:
             lora.save_full_model(small_model, tokenizer=None, output_dir=existing_output, rank=0)
     finally:
         param.data = real
@@ -149,9 +152,9 @@ def test_full_model_save_refuses_size0_weights_and_keeps_the_old_model(small_mod
 
 def _adapter_dir(folder, tensors):
     folder.mkdir()
-    (folder / lora.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+    (folder / models.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
                                                           "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}))
-    save_file(tensors, str(folder / lora.ADAPTER_WEIGHTS))
+    save_file(tensors, str(folder / models.ADAPTER_WEIGHTS))
     return folder
 
 
@@ -172,7 +175,7 @@ def test_merge_of_a_bad_adapter_leaves_an_existing_output_alone(name, tmp_path):
     merged.mkdir()
     (merged / "model.safetensors").write_bytes(b"an earlier merge")
     before, adapter_before = _snapshot(merged), _snapshot(adapter)
-    with pytest.raises(lora.AdapterError) as info:
+    with pytest.raises(models.AdapterError) as info:
         lora.merge(models.DEFAULT_MODEL_DIR, adapter, merged, verbose=False)
     assert all(w.lower() in str(info.value).lower() for w in words), str(info.value)
     assert _snapshot(merged) == before and _snapshot(adapter) == adapter_before
@@ -182,8 +185,8 @@ def test_merge_of_a_bad_adapter_leaves_an_existing_output_alone(name, tmp_path):
 def test_a_model_weights_file_given_as_the_adapter():
     weights = Path(models.DEFAULT_MODEL_DIR) / "model.safetensors"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
-    with pytest.raises(lora.AdapterError, match="full model's state dict") as info:
-        lora.read_adapter(weights)
+    with pytest.raises(models.AdapterError, match="full model's state dict") as info:
+        models.read_adapter(weights)
     assert "--model" in str(info.value)
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
 
@@ -201,7 +204,7 @@ def test_taken_preferred_port_is_replaced_by_a_free_one():
 
 def test_cuda_visible_devices_with_the_launcher_says_use_include(tmp_path, monkeypatch):
     """The check fires only where GPUs exist (on CPU the variable is harmless), so the GPU count is patched."""
-    monkeypatch.setattr(launch, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "gpu_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     runs = tmp_path / "runs"
     with pytest.raises(launch.LaunchError) as info:
@@ -209,13 +212,13 @@ def test_cuda_visible_devices_with_the_launcher_says_use_include(tmp_path, monke
     message = str(info.value)
     assert "CUDA_VISIBLE_DEVICES" in message and "include='localhost:0,1'" in message and "--include" in message
     assert not runs.exists()  # refused before the run folder (or any rank) was made
-    launch._check_environment(1, include="localhost:1")  # the fix it names is accepted
+    launch.check_environment(1, include="localhost:1")  # the fix it names is accepted
 
 
 def test_cuda_visible_devices_is_not_refused_on_a_cpu_machine(monkeypatch):
-    monkeypatch.setattr(launch, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(launch, "gpu_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    launch._check_environment(2, include=None)  # nothing to choose between: no error
+    launch.check_environment(2, include=None)  # nothing to choose between: no error
 
 
 # --------------------------------------------------------------------------- JIT op build tools
@@ -252,3 +255,29 @@ def test_malformed_sft_data_is_refused_before_launch(line, words, tmp_path, monk
     assert f"{bad}:3" in str(info.value) and words in str(info.value)
     assert _snapshot(existing_output) == before
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- the catalogue above stays true
+
+def _cited_tests(text=__doc__):
+    """(test file, test function) for each test the catalogue cites: `test_x.py::test_a`, `::test_b` (same file as
+    the citation before it), and a bare `test_c` (a test in this file)."""
+    cited, last = [], None
+    for m in re.finditer(r"(?:(test_\w+\.py))?::(test_\w+)|(?<![:\w])(test_\w+\*?)(?![\w.])", text):
+        if m.group(2):
+            last = m.group(1) or last
+            cited.append((last, m.group(2)))
+        else:
+            cited.append((Path(__file__).name, m.group(3)))
+    return cited
+
+
+def test_every_test_the_catalogue_cites_exists():
+    cited = _cited_tests()
+    assert len(cited) > 20 and ("test_config_check.py", "test_fp16_on_this_machine_when_it_has_no_gpu") in cited
+    defined = {}
+    for name in {f for f, _ in cited}:
+        tree = ast.parse((Path(__file__).parent / name).read_text(encoding="utf-8"))
+        defined[name] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    missing = [f"{f}::{t}" for f, t in cited if not fnmatch.filter(defined[f], t)]  # test_x_* names a family
+    assert not missing, "the catalogue cites tests that do not exist (renamed?): " + ", ".join(missing)

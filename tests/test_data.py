@@ -56,12 +56,19 @@ def test_fill_placeholders_str_and_language_pair():
     assert data.fill_placeholders("I am {name}", pair, "x", lang="en") == "I am Nova"
 
 
+def test_name_pair_takes_one_name_for_both_languages_or_a_zh_en_pair():
+    assert data.name_pair("Nova") == data.name_pair(["Nova"]) == "Nova"
+    assert data.name_pair(["小诺", "Nova"]) == ("小诺", "Nova") and data.name_pair(None) is None
+    with pytest.raises(data.DataError, match="one value .* or two"):
+        data.name_pair(["a", "b", "c"])
+
+
 def test_self_cognition_data_is_bilingual_and_names_the_model():
-    rows = data.self_cognition("Nova", "Orion Lab")
-    assert len(rows) >= 100
-    assert {r["lang"] for r in rows} == {"en", "zh"}
-    for r in rows:
-        answer = r["messages"][1]["content"]
+    chats = sft.load_chats(None, "Nova", "Orion Lab", mix_general=0)  # data/self_cognition.jsonl, filled
+    assert len(chats) >= 100
+    assert {c["lang"] for c in chats} == {"en", "zh"}
+    for c in chats:
+        answer = c["messages"][1]["content"]
         assert "Nova" in answer and "{" not in answer
     raw = data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl", ("query", "response", "lang"))
     assert sum("{author}" in r["response"] for r in raw) >= 100
@@ -74,7 +81,7 @@ def test_evaluation_questions_and_identities_are_held_out():
     held_out = data.identity_eval()
     assert 20 <= len(held_out) <= 60 and {r["lang"] for r in held_out} == {"en", "zh"}
     assert not train_queries & {r["query"] for r in held_out}
-    pretraining = (models.CORPUS_DIR / "train.txt").read_text(encoding="utf-8")
+    pretraining = (corpus.CORPUS_DIR / "train.txt").read_text(encoding="utf-8")
     assert not [r["query"] for r in held_out if r["query"] in pretraining]
     for ident in data.eval_identities():   # names and authors the kit never trains on
         for value in (ident["name"], ident["author"]):
@@ -82,15 +89,6 @@ def test_evaluation_questions_and_identities_are_held_out():
                 assert text not in pretraining and text not in str(sft.DEFAULT_NAME + sft.DEFAULT_AUTHOR), text
     general_queries = {r["messages"][0]["content"] for r in data.general_sft()}
     assert not general_queries & {r["query"] for r in data.general_eval()}
-
-
-def test_identity_dataset_mixes_general_dialogue():
-    rows = data.identity_dataset("Nova", "Orion Lab", mix_general=True)
-    with_name = sum("Nova" in r["messages"][-1]["content"] for r in rows)
-    assert with_name == len(data.self_cognition("Nova", "Orion Lab"))
-    assert len(rows) == 2 * with_name
-    assert data.identity_dataset("Nova", "Orion Lab") == rows  # seeded shuffle
-    assert len(data.identity_dataset("Nova", "Orion Lab", mix_general=False)) == with_name
 
 
 def test_sft_example_masks_the_prompt(tokenizer):
@@ -124,9 +122,6 @@ def test_collate_pads_and_masks(tokenizer):
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, tokenizer.pad_token_id, tokenizer.pad_token_id]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    packed = data.collate([a, b, a], pad_id=0, pack_to=4)
-    assert packed["input_ids"].tolist() == [[5, 6, 7, 8], [5, 6, 7, 0]]
-    assert packed["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
 
 
 def test_lm_blocks_end_documents_with_endoftext(tokenizer):
@@ -140,7 +135,7 @@ def test_lm_blocks_end_documents_with_endoftext(tokenizer):
 def test_corpus_is_deterministic_and_matches_the_committed_files():
     assert corpus.generate(50, seed=7) == corpus.generate(50, seed=7)
     assert corpus.generate(50, seed=7) != corpus.generate(50, seed=8)
-    committed = corpus.read_corpus(models.CORPUS_DIR / "valid.txt")
+    committed = corpus.read_corpus(corpus.CORPUS_DIR / "valid.txt")
     assert committed == corpus.generate(len(committed), seed=2)
     # chat documents use exactly the markup the tokenizer's chat template writes
     chats = [d for d in committed if d.startswith("<|im_start|>")]
@@ -150,6 +145,6 @@ def test_corpus_is_deterministic_and_matches_the_committed_files():
 
 
 def test_committed_corpus_is_small_and_broad():
-    sizes = {p.name: p.stat().st_size for p in models.CORPUS_DIR.glob("*.txt")}
+    sizes = {p.name: p.stat().st_size for p in corpus.CORPUS_DIR.glob("*.txt")}
     assert set(sizes) == {"train.txt", "valid.txt"} and sum(sizes.values()) < 6e6
     assert len(corpus.EN_NAMES) >= 100 and len(corpus.ZH_NAMES) >= 80 and len(corpus.EN_CITIES) >= 60

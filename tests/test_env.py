@@ -1,6 +1,7 @@
-"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare`."""
+"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare` (dslab.cli.setup)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dslab import env
+from dslab import dist, env
 from dslab.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,10 +69,17 @@ def test_cpu_and_memory(rep):
     assert 0 < rep["memory"]["available_gib"] <= rep["memory"]["total_gib"]
 
 
-def test_has_gpu_agrees_with_torch():
-    import torch
+def test_has_gpu_agrees_with_the_report(rep):
+    assert env.has_gpu() == (len(rep["gpus"]) > 0)  # what chapter 00 asserts on every machine
 
-    assert env.has_gpu() == torch.cuda.is_available()
+
+def test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed():
+    """GPUs hidden with CUDA_VISIBLE_DEVICES="" are none for torch: has_gpu says so, without importing DeepSpeed."""
+    code = "import sys; from dslab import env; print(env.has_gpu(), 'deepspeed' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False"]
 
 
 def test_features_on_a_gpu_machine():
@@ -120,9 +128,24 @@ def test_ninja_from_the_venv_is_put_on_path(monkeypatch, tmp_path):
     except ImportError:
         pytest.skip("the ninja Python package is not installed")
     monkeypatch.setenv("PATH", str(tmp_path))
-    found = env.ensure_build_tools_on_path()
+    found = dist.ensure_build_tools_on_path()
     assert found and Path(found).name == "ninja"
     assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(found).parent)
+
+
+def test_the_ninja_installed_with_dslab_comes_before_another_on_path(monkeypatch, tmp_path):
+    """A system ninja first on PATH would alternate with pip's between processes and rebuild every JIT op."""
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        pytest.skip("the ninja Python package is not installed")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.11.1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path), "/usr/bin"]))
+    found = dist.ensure_build_tools_on_path()
+    assert found != str(other) and shutil.which("ninja") == found
+    assert os.environ["PATH"].split(os.pathsep)[1:] == [str(tmp_path), "/usr/bin"]
 
 
 def test_format_report_has_every_section(rep):

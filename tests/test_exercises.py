@@ -39,8 +39,16 @@ def _notebook_exercise_ids():
     return ids
 
 
-def test_there_are_solutions():
-    assert SOLUTION_FILES and SOLUTIONS
+def test_each_chapter_has_one_solution_file_with_exactly_its_exercises():
+    """notebooks/solutions/NN_solutions.py exists for every notebook NN and solves what chapter NN registers: no
+    exercise left unsolved, no answer for an exercise that was renamed or removed."""
+    notebooks = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name[:2] for p in SOLUTION_FILES] == notebooks
+    registered = exercises.registered()
+    for chapter in notebooks:
+        solved = {i for i in SOLUTIONS if i.startswith(chapter + ".")}
+        known = {i for i in registered if i.startswith(chapter + ".")}
+        assert solved == known, f"chapter {chapter}: unsolved {sorted(known - solved)}, stale {sorted(solved - known)}"
 
 
 @pytest.mark.parametrize("exercise_id", IDS)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from dslab import data, launch
+from dslab.launch import guard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,7 @@ def test_unwritable_checkpoint_dir_fails_before_any_rank_starts(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises(PermissionError, match="--output"):
+    with pytest.raises(PermissionError, match="--checkpoint-dir"):
         sft.run(output=str(tmp_path / "adapter"), save_every=1, checkpoint_dir=str(blocker / "checkpoints"))
     assert not (tmp_path / "runs").exists() and not (tmp_path / "adapter").exists()
 
@@ -126,11 +127,11 @@ def test_a_nearly_full_disk_fails_before_any_rank_starts(tmp_path, monkeypatch, 
     fp32 master weights and two Adam moments), or not even for the output: refused, saying how much is needed."""
     import shutil
 
-    from dslab import lora, models, sft
+    from dslab import files, models, sft
 
     weights = (Path(models.resolve_model()) / "model.safetensors").stat().st_size
     free = 3 * weights if full else weights // 2
-    monkeypatch.setattr(lora.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * weights, 10 * weights - free, free))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * weights, 10 * weights - free, free))
     monkeypatch.chdir(tmp_path)
     start = time.monotonic()
     with pytest.raises(OSError, match=f"{option} .*MiB free on that disk, about .*MiB needed; free some space"):
@@ -148,6 +149,7 @@ def _tree_digest(folder):
 
 def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     from dslab import sft
+    from dslab.checkpoints import STATE_FILE, latest_checkpoint
 
     if "save_every" not in sft.RECIPE_DEFAULTS:
         pytest.skip("dslab sft has no --save-every: nothing is written before the end to keep")
@@ -172,9 +174,9 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     _assert_no_strays(str(output))  # the ranks got --output on their command lines
     assert _tree_digest(checkpoints / tag) == first  # the checkpoint written before Ctrl-C is intact
     latest = checkpoints / (checkpoints / "latest").read_text().strip()
-    assert (latest / sft.STATE_FILE).exists()  # `latest` names a complete checkpoint
+    assert (latest / STATE_FILE).exists()  # `latest` names a complete checkpoint
     assert not output.exists()  # no half-written adapter
-    sft.latest_checkpoint(checkpoints)  # resumable
+    latest_checkpoint(checkpoints)  # resumable
 
 
 # --------------------------------------------------------------------------- kill -9 of the whole job, then --resume
@@ -184,6 +186,7 @@ def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_p
     last complete checkpoint: at most --save-every steps are lost and the losses from there on are exactly those
     of a run that was never interrupted (same data order, optimizer moments and learning-rate schedule)."""
     from dslab import sft
+    from dslab.checkpoints import latest_checkpoint
 
     monkeypatch.chdir(tmp_path)
     identity = _identity_file(tmp_path)
@@ -218,7 +221,7 @@ def test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve(tmp_p
     assert not output.exists()  # no adapter that looks finished
     last_logged = max(int(line.split("step")[1].split("/")[0]) for line in out.splitlines() if "] step " in line)
 
-    tag_dir, state = sft.latest_checkpoint(checkpoints)  # `latest` names a complete checkpoint
+    tag_dir, state = latest_checkpoint(checkpoints)  # `latest` names a complete checkpoint
     assert state["step"] % save_every == 0 and last_logged - state["step"] <= save_every  # steps lost
     resumed = sft.run(output=output, resume=str(checkpoints), stream=False, timeout=600, **common)
     assert resumed["start_step"] == state["step"]
@@ -256,3 +259,35 @@ def test_kill_9_of_the_command_takes_the_launcher_and_ranks_with_it(tmp_path):
     while _processes_mentioning(str(script)) and time.monotonic() < deadline:
         time.sleep(0.2)
     _assert_no_strays(str(script))
+
+
+def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_finishes(tmp_path):
+    """`setsid dslab sft ...` ended by `kill -9 -PGID` (what a lost terminal or a job scheduler does): only
+    `dslab sft` is in that group, yet within 5 s no launcher and no rank of the run is left (the launcher, in a
+    session of its own, gets SIGTERM from the kernel when dslab dies, and dslab's guard stops the rest); then
+    `dslab sft --resume` finishes the run from its last checkpoint."""
+    identity = _identity_file(tmp_path)
+    output, checkpoints = tmp_path / "adapter", tmp_path / "adapter-checkpoints"
+    common = ["--output", str(output), "--data", str(identity), "--mix-general", "0", "--epochs", "10",
+              "--micro-batch-size", "2", "--lora-r", "4", "--model-name", "Whale", "--model-author", "DSLab"]
+    proc = _sft_cli(*common, "--save-every", "5", cwd=tmp_path)  # a session of its own, as setsid gives
+    try:
+        _wait_for_first_checkpoint(proc, checkpoints, poll_s=0.1)
+        assert proc.poll() is None, "training ended before it could be killed; raise --epochs"
+        job = [p for p in _processes_mentioning(str(output)) if p.pid != proc.pid]
+        assert len(job) >= 3, job  # the deepspeed command, the per-node launcher, 2 ranks (all name OUTPUT)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert guard.wait_gone(job, timeout=5), "launcher or ranks still running 5 s after kill -9 -PGID"
+    _assert_no_strays(str(output))
+    assert not output.exists()  # no adapter that looks finished
+
+    resumed = _sft_cli(*common, "--resume", str(checkpoints), cwd=tmp_path)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"saved the adapter to {output}" in out and "20 steps" in out, out[-3000:]
+    assert (output / "adapter_model.safetensors").exists()

@@ -1,4 +1,4 @@
-"""dslab.infer: greedy generation, chat prompts that stop at <|im_end|>, and the `dslab infer` command."""
+"""dslab.infer: greedy generation, chat prompts that stop at <|im_end|>, and the `dslab infer` command (dslab.cli.models)."""
 import json
 import os
 import subprocess
@@ -83,4 +83,4 @@ def test_cli_bad_prompts_file_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
     with pytest.raises(Exception, match=r"bad.jsonl:2:"):
-        infer.read_prompts(type("Args", (), {"prompt": None, "prompts_file": str(bad)})())
+        infer.read_prompts(prompts_file=str(bad))

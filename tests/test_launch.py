@@ -150,8 +150,8 @@ def test_command_line_for_a_recipe_and_for_a_script(tmp_path):
 
 
 def test_recipe_kwargs_are_json_encoded():
-    assert launch._encode(True) == "true" and launch._encode(None) == "null"
-    assert launch._encode([1, "a"]) == '[1, "a"]' and launch._encode("plain") == "plain"
+    assert launch.encode_value(True) == "true" and launch.encode_value(None) == "null"
+    assert launch.encode_value([1, "a"]) == '[1, "a"]' and launch.encode_value("plain") == "plain"
 
 
 # ---- recipe_args: the command-line side of the same contract --------------------------------------
@@ -172,7 +172,7 @@ def test_recipe_args_equals_form_dashes_and_local_rank():
 
 def test_recipe_args_roundtrip_what_launch_encodes():
     values = {"n": 3, "on": False, "groups": [[0], [1]], "name": "run one"}
-    argv = [part for k, v in values.items() for part in (f"--{k}", launch._encode(v))]
+    argv = [part for k, v in values.items() for part in (f"--{k}", launch.encode_value(v))]
     assert vars(dist.recipe_args(argv, n=0, on=True, groups=None, name="")) == values
 
 
@@ -244,3 +244,52 @@ def test_run_commands_stops_every_node_when_one_fails(tmp_path):
 def test_run_commands_refuses_what_it_cannot_run(tmp_path, command, message):
     with pytest.raises(launch.LaunchError, match=message):
         launch.run_commands(command, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("argv, position, name", [
+    (["deepspeed", "--num_gpus", "2", "train.py", "--lr", "1e-3"], 3, "train"),
+    (["deepspeed", "--num_gpus", "2", "--module", "dslab.recipes.sft", "--output", "x.py"], 3, "sft"),
+    (["torchrun", "--nnodes", "2", "-m", "dslab.recipes.collectives", "--numel", "8"], 3, "collectives"),
+])
+def test_launcher_options_end_at_the_script_or_the_flag_that_names_its_module(argv, position, name):
+    """One rule: what dslab adds (a port, a log folder) goes where the launcher's own options end."""
+    from dslab.launch.commands import script_name, script_position
+
+    assert script_position(argv) == position and script_name(argv) == name
+
+
+# ---- children die with their owner (dslab.launch.guard) ----------------------------------------------------------
+
+# The owner starts a "launcher" (here: sleep) in a session of its own, as dslab.launch does, then waits to be killed.
+OWNER = """
+import subprocess, sys, time
+from dslab.launch import guard
+how = sys.argv[1]
+env = {"PATH": "/usr/bin:/bin", guard.JOB_ENV: sys.argv[2]}
+if how == "guard":
+    guard.start_guard(marker=(guard.JOB_ENV, sys.argv[2]))
+    child = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+else:
+    child = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True, preexec_fn=guard.parent_death_signal())
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("how", ["guard", "parent_death_signal"])
+def test_a_child_in_its_own_session_dies_when_its_owner_is_sigkilled(how):
+    from dslab.launch import guard
+
+    marker = f"test-{os.getpid()}-{how}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, how, marker], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(owner.stdout.readline()))
+        assert guard.is_running(child) and os.getpgid(child.pid) != os.getpgid(owner.pid)
+        owner.kill()  # SIGKILL: no code of the owner runs any more
+        owner.wait()
+        assert guard.wait_gone([child], timeout=5), f"{how}: the child outlived its owner"
+        assert guard.processes_with_env(guard.JOB_ENV, marker) == []
+    finally:
+        owner.kill()
+        for proc in guard.processes_with_env(guard.JOB_ENV, marker):
+            proc.kill()

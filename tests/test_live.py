@@ -18,6 +18,7 @@ import pytest
 from nbclient import NotebookClient
 
 from dslab import live
+from dslab.launch.guard import is_running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,11 +64,11 @@ def _environment():
 def _wait_until_gone(processes, timeout=20):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in processes if live._alive(p)]
+        alive = [p for p in processes if is_running(p)]
         if not alive:
             return []
         time.sleep(0.2)
-    return [(p.pid, " ".join(p.cmdline()[:3])) for p in processes if live._alive(p)]
+    return [(p.pid, " ".join(p.cmdline()[:3])) for p in processes if is_running(p)]
 
 
 def _shm_buffers(port):
@@ -120,11 +121,11 @@ def test_ranks_die_with_the_process_that_started_them_even_when_it_is_sigkilled(
     try:
         info = json.loads(owner.stdout.readline())
         processes = live.cluster_processes(info["profile_dir"])
-        watchdogs = [p for p in psutil.Process(owner.pid).children() if "dslab.live" in " ".join(p.cmdline())]
-        assert len(processes) >= 5 and len(watchdogs) == 1
+        guards = [p for p in psutil.Process(owner.pid).children() if "dslab.launch guard" in " ".join(p.cmdline())]
+        assert len(processes) >= 5 and len(guards) == 1
         os.kill(owner.pid, signal.SIGKILL)                    # no atexit, no cleanup code runs in the owner
         owner.wait()
-        assert _wait_until_gone(processes + watchdogs) == []     # the watchdog cleans up, then exits
+        assert _wait_until_gone(processes + guards) == []        # the guard cleans up, then exits
         assert live.cluster_processes(info["profile_dir"]) == []
         assert not os.path.exists(info["profile_dir"])
     finally:
@@ -152,7 +153,7 @@ def test_nothing_is_left_after_a_notebook_kernel_ends(tmp_path, shutdown):
     info = json.loads(nb.cells[2].outputs[0]["text"])
     assert info["ranks"] == [0, 1]
     assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
-    deadline = time.monotonic() + 20   # a killed kernel leaves the cleaning to the watchdog: give it time
+    deadline = time.monotonic() + 20   # a killed kernel leaves the cleaning to the guard: give it time
     while (live.cluster_processes(info["profile_dir"]) or os.path.exists(info["profile_dir"])) \
             and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,4 +1,4 @@
-"""dslab.lora: adapters count, save (atomically, never empty), load in plain PEFT, and merge verified."""
+"""dslab.lora and adapter loading (dslab.models): adapters count, save (atomically, never empty), load in plain PEFT, merge verified."""
 import json
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dslab import lora, models
+from dslab import files, lora, models
 
 TARGETS_QV = ["q_proj", "v_proj"]
 WITH_HEAD = lora.DEFAULT_TARGETS + ("lm_head",)  # the hardest case: the output head is tied to the embeddings
@@ -43,7 +43,7 @@ def test_attach_counts_exactly_r_times_in_plus_out(base_dir):
     n_base = models.count_parameters(base)
     cfg = base.config
     model = lora.attach_lora(base, r=4, alpha=8, target_modules=TARGETS_QV)
-    counts = lora.count_parameters(model)
+    counts = lora.trainable_summary(model)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_layer = 4 * (cfg.hidden_size + cfg.hidden_size) + 4 * (cfg.hidden_size + cfg.num_key_value_heads * head_dim)
     assert counts["trainable"] == cfg.num_hidden_layers * per_layer
@@ -68,8 +68,8 @@ def test_lora_layer_computes_w_plus_scaled_ba(base_dir):
     ({"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": torch.ones(4, 2)}, "full model"),
 ])
 def test_check_adapter_state_refuses_bad_adapters(state, message):
-    with pytest.raises(lora.AdapterError, match=message):
-        lora.check_adapter_state(state)
+    with pytest.raises(models.AdapterError, match=message):
+        models.check_adapter_state(state)
 
 
 def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
@@ -78,8 +78,8 @@ def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
 
     model = _trained_adapter(base_dir)
     n = lora.save_adapter(model, tmp_path / "adapter")
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
-    assert n == lora.count_parameters(model)["trainable"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [models.ADAPTER_CONFIG, models.ADAPTER_WEIGHTS]
+    assert n == lora.trainable_summary(model)["trainable"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter").eval()
     ids = lora.probe_ids(model.config.vocab_size)
@@ -89,27 +89,27 @@ def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
 def test_save_refuses_size0_weights_and_keeps_the_previous_adapter(base_dir, tmp_path):
     good = _trained_adapter(base_dir)
     lora.save_adapter(good, tmp_path / "adapter")
-    before = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    before = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
     broken = _trained_adapter(base_dir, seed=2)
     param = next(p for n, p in broken.named_parameters() if "lora_A" in n)
     param.data = torch.empty(0)  # what ZeRO-3 leaves in p.data on every rank
-    with pytest.raises(lora.AdapterError, match="ZeRO-3"):
+    with pytest.raises(models.AdapterError, match="ZeRO-3"):
         lora.save_adapter(broken, tmp_path / "adapter")
-    after = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    after = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
 
 
 def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "out"
-    with lora.atomic_dir(target) as tmp:
+    with files.atomic_dir(target) as tmp:
         (tmp / "a.txt").write_text("first")
     with pytest.raises(RuntimeError):
-        with lora.atomic_dir(target) as tmp:
+        with files.atomic_dir(target) as tmp:
             (tmp / "a.txt").write_text("half-written")
             raise RuntimeError("crash while writing")
     assert (target / "a.txt").read_text() == "first"
-    with lora.atomic_dir(target) as tmp:
+    with files.atomic_dir(target) as tmp:
         (tmp / "b.txt").write_text("second")
     assert [p.name for p in target.iterdir()] == ["b.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
@@ -130,10 +130,10 @@ def test_merge_matches_adapter_and_loads_in_plain_transformers(base_dir, tmp_pat
     from transformers import AutoModelForCausalLM
 
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
-    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32, verbose=False)
+    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", dtype="fp32", verbose=False)
     assert report["max_abs_diff"] <= 1e-4 and report["saved_dtype"] == "float32"
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with_adapter, _ = lora.load_with_adapter(base_dir, tmp_path / "adapter")
+    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
     assert lora.max_logit_diff(merged, with_adapter, lora.probe_ids(merged.config.vocab_size)) <= 1e-4
     assert merged.config.tie_word_embeddings is False
     assert not any(n.startswith("base_model") or "lora_" in n for n, _ in merged.named_parameters())
@@ -141,18 +141,18 @@ def test_merge_matches_adapter_and_loads_in_plain_transformers(base_dir, tmp_pat
 
 def test_merge_refuses_bad_adapters_and_writes_nothing(base_dir, tmp_path):
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
-    weights = tmp_path / "adapter" / lora.ADAPTER_WEIGHTS
+    weights = tmp_path / "adapter" / models.ADAPTER_WEIGHTS
     state = load_file(str(weights))
     # size-0 weights, as a ZeRO-3 rank would save them without gathering
     save_file({k: torch.empty(0) for k in state}, str(weights))
-    with pytest.raises(lora.AdapterError, match="size-0"):
+    with pytest.raises(models.AdapterError, match="size-0"):
         lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
     # a full state dict where the adapter weights should be
     save_file({k: v.clone() for k, v in models.load_model(base_dir).state_dict().items()}, str(weights))
-    with pytest.raises(lora.AdapterError, match="full model"):
+    with pytest.raises(models.AdapterError, match="full model"):
         lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
     # a model directory passed as the adapter
-    with pytest.raises(lora.AdapterError, match="full model"):
+    with pytest.raises(models.AdapterError, match="full model"):
         lora.merge(base_dir, base_dir, tmp_path / "merged", verbose=False)
     assert not (tmp_path / "merged").exists()
 
@@ -175,9 +175,9 @@ def test_unwritable_output_is_refused_before_any_work(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(NotADirectoryError):
-        lora.check_writable(blocker)
+        files.check_writable(blocker)
     with pytest.raises(PermissionError, match="--output"):
-        lora.check_writable("/proc/dslab-cannot-write-here/out")
+        files.check_writable("/proc/dslab-cannot-write-here/out")
 
 
 def _reentrant_checkpointing_without_input_grads(model):
@@ -203,7 +203,7 @@ def test_an_adapter_saved_by_plain_peft_is_accepted(base_dir, tmp_path):
     """PEFT's own save_pretrained also stores the frozen lm_head when it is a target: still an adapter."""
     model = _trained_adapter(base_dir)
     model.save_pretrained(tmp_path / "peft-saved")
-    _, state = lora.read_adapter(tmp_path / "peft-saved")
+    _, state = models.read_adapter(tmp_path / "peft-saved")
     assert any(k.endswith("lm_head.base_layer.weight") for k in state)
     report = lora.merge(base_dir, tmp_path / "peft-saved", tmp_path / "merged", verbose=False)
     assert report["max_abs_diff"] <= 1e-4
@@ -213,7 +213,7 @@ def test_merge_saves_in_the_requested_dtype_and_reads_back_exactly(base_dir, tmp
     from transformers import AutoModelForCausalLM
 
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
-    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", dtype=torch.bfloat16, verbose=False)
+    report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", dtype="bf16", verbose=False)
     assert report["saved_dtype"] == "bfloat16" and report["max_abs_diff"] <= 1e-4
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.dtype == torch.bfloat16
@@ -225,13 +225,13 @@ def test_bf16_merge_rounding_is_measured_apart_from_bf16_arithmetic(base_dir, tm
 
     adapted = _trained_adapter(base_dir, targets=lora.DEFAULT_TARGETS)
     lora.save_adapter(adapted, tmp_path / "adapter")
-    reports = {dtype: lora.merge(base_dir, tmp_path / "adapter", tmp_path / str(dtype), dtype=dtype, verbose=False)
-               for dtype in (torch.float32, torch.bfloat16)}
-    with_adapter, _ = lora.load_with_adapter(base_dir, tmp_path / "adapter")
-    up = AutoModelForCausalLM.from_pretrained(tmp_path / str(torch.bfloat16), dtype=torch.float32)
+    reports = {dtype: lora.merge(base_dir, tmp_path / "adapter", tmp_path / dtype, dtype=dtype, verbose=False)
+               for dtype in ("fp32", "bf16")}
+    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
+    up = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
     ids = lora.probe_ids(up.config.vocab_size)
-    assert reports[torch.bfloat16]["dtype_rounding"] == pytest.approx(lora.max_logit_diff(up, with_adapter, ids), abs=1e-6)
-    merged32 = AutoModelForCausalLM.from_pretrained(tmp_path / str(torch.float32))
+    assert reports["bf16"]["dtype_rounding"] == pytest.approx(lora.max_logit_diff(up, with_adapter, ids), abs=1e-6)
+    merged32 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
     assert lora.update_error(with_adapter, merged32) < 1e-4 < lora.update_error(with_adapter, up) < 1.0
     assert lora.update_error(with_adapter, with_adapter.get_base_model()) == pytest.approx(1.0)  # nothing merged
 
@@ -242,7 +242,7 @@ def test_infer_cli_applies_an_adapter_and_refuses_a_bad_one(base_dir, tmp_path):
     model = _trained_adapter(base_dir)
     lora.save_adapter(model, tmp_path / "adapter")
     tok = models.load_tokenizer(base_dir)
-    (expected,) = infer.generate(lora.load_with_adapter(base_dir, tmp_path / "adapter")[0], tok, ["Who are you?"],
+    (expected,) = infer.generate(models.load_model(base_dir, adapter=tmp_path / "adapter"), tok, ["Who are you?"],
                                  max_new_tokens=6, chat=True)
     cmd = [sys.executable, "-m", "dslab.cli", "infer", "--model", str(base_dir), "--chat", "--prompt", "Who are you?",
            "--max-new-tokens", "6", "--json"]
@@ -261,3 +261,20 @@ def test_an_adapter_without_the_head_keeps_the_merged_model_tied(base_dir, tmp_p
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert report["max_abs_diff"] <= 1e-4
     assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
+
+
+def test_load_model_merges_an_adapter_when_asked_and_knows_one_dtype_vocabulary(base_dir, tmp_path):
+    """One loader: the adapter on top (a PeftModel) or folded in (a plain model, what AutoTP splits); same logits."""
+    from peft import PeftModel
+
+    lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
+    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
+    merged = models.load_model(base_dir, adapter=tmp_path / "adapter", merge_adapter=True)
+    assert isinstance(with_adapter, PeftModel) and not isinstance(merged, PeftModel)
+    assert lora.max_logit_diff(merged, with_adapter, lora.probe_ids(merged.config.vocab_size)) <= 1e-4
+    assert models.load_model(base_dir, dtype="bf16").dtype == torch.bfloat16
+    for wrong in ("bfloat16", torch.bfloat16):
+        with pytest.raises(ValueError, match="'fp32', 'bf16', 'fp16'"):
+            models.load_model(base_dir, dtype=wrong)
+    # the adapter records its base directory: that is what loads when no path is given
+    assert models.resolve_model(adapter=tmp_path / "adapter") == str(base_dir)

@@ -1,9 +1,10 @@
 """ZeRO memory: the paper's formulas, DeepSpeed's estimators, the CLI, and per-rank measurement on real ranks."""
 import json
+import re
 
 import pytest
 
-from dslab import cli, launch, memory
+from dslab import cli, launch, memory, zero
 
 PSI = 1_234_567
 
@@ -63,7 +64,15 @@ def test_deepspeed_estimators_count_fp32_gradients_too():
     z3 = memory.deepspeed_estimate(8_000_000, world_size=8, zero_stage=3, largest_layer_params=1000)
     assert z3["device"] == 18 * 8_000_000 // 8 + 4 * 1000
     assert memory.deepspeed_estimate(PSI, 2, zero_stage=1) is None
-    assert set(memory.QUOTED_BYTES_PER_PARAM) == {16, 18, 20}
+
+
+def test_quoted_bytes_per_param_add_up_and_match_the_formulas():
+    """Each quote's breakdown sums to its number; the paper's and DeepSpeed's are what our functions compute."""
+    for quoted, why in memory.QUOTED_BYTES_PER_PARAM.items():
+        breakdown = re.sub(r"\([^)]*\)", "", why.split(": ", 1)[1])  # "2 (16-bit weights) + ..." -> "2 + ..."
+        assert sum(int(term) for term in breakdown.split("+")) == quoted, why
+    assert memory.theory(PSI, 1, 0)["total"] == 16 * PSI  # mixed precision + Adam, one GPU, no ZeRO
+    assert memory.deepspeed_estimate(PSI, world_size=1, zero_stage=2)["device"] == 20 * PSI
 
 
 def test_traffic_volume_counts_like_the_paper():
@@ -104,7 +113,7 @@ def test_measure_cli_passes_the_shape(monkeypatch, capsys):
         print("$ deepspeed --num_gpus 3 ...")  # what dslab.launch prints: must not land in the JSON
         return memory.report(1000, world_size, zero_stage)
 
-    monkeypatch.setattr(memory, "measure", fake_measure)
+    monkeypatch.setattr(zero, "measure", fake_measure)
     assert cli.main(["measure", "--zero", "3", "--world-size", "3", "--hidden-size", "96", "--layers", "2",
                      "--json"]) == 0
     out = capsys.readouterr()
@@ -118,8 +127,8 @@ def test_measure_cli_passes_the_shape(monkeypatch, capsys):
                                              tie_word_embeddings=False, vocab_size=4096),
                                    dict(hidden_size=96, vocab_size=1024, intermediate_size=256)])
 def test_qwen2_params_counts_what_the_model_has(shape):
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     from dslab.models import count_parameters, tiny_config
 
@@ -132,14 +141,12 @@ def test_shape_for_params_lands_near_the_target():
     from dslab.models import tiny_config
 
     for target in (3e6, 2e7):
-        shape = memory.shape_for_params(target, vocab_size=4096, num_hidden_layers=2)
+        shape = zero.shape_for_params(target, vocab_size=4096, num_hidden_layers=2)
         assert abs(memory.qwen2_params(tiny_config(**shape)) - target) / target < 0.1
         assert shape["vocab_size"] == 4096 and shape["hidden_size"] % 32 == 0
 
 
 def test_fit_params_keeps_a_size_that_fits_and_shrinks_one_that_does_not():
-    from dslab import zero
-
     budget = 128 * 2**20
     assert zero.fit_params(1e6, 2, 2, budget=budget)[0] == 1_000_000
     fitted, need = zero.fit_params(7e9, 0, 2, budget=budget)
@@ -194,3 +201,16 @@ def test_offload_optimizer_measured_on_the_host(three_ranks):
         assert m["optimizer"] == 0 and m["grads"] == 0
         assert abs(ratio - 1) < 0.02
         assert m["host_buffers"] > 0  # staging copies the CPU optimizer uses, reported apart
+
+
+def test_try_config_names_the_rank_error_quietly(tmp_path, monkeypatch, capsys):
+    """A config DeepSpeed refuses only when it builds the optimizer: the rank's error line, nothing printed or left."""
+    from dslab.config import make_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(zero_stage=1, micro_batch_size=2, world_size=1)
+    cfg["optimizer"]["params"]["bogus"] = 1
+    capsys.readouterr()  # DeepSpeed's import-time log line, from make_config's check in this process
+    with pytest.raises(RuntimeError, match="unexpected keyword argument 'bogus'"):
+        zero.try_config(cfg)
+    assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []

@@ -152,3 +152,26 @@ def test_base_model_knows_the_general_evaluation_facts(model, tokenizer):
 def test_base_model_has_a_default_identity(model, tokenizer):
     answers = infer.generate(model, tokenizer, ["Who are you?", "你是谁？"], max_new_tokens=32, chat=True)
     assert all(corpus.BASE_NAME in a for a in answers)
+
+
+def _dslab_imports(module):
+    """The dslab modules `module` imports anywhere in its source (function-level imports included)."""
+    import ast
+
+    tree = ast.parse((REPO / "dslab" / f"{module}.py").read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dslab"):
+            found |= {node.module} if node.module != "dslab" else {f"dslab.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("dslab")}
+    return found
+
+
+def test_loading_sits_below_training_and_inference():
+    """models loads (no training, no LoRA tooling, no CLI); infer and tp_infer do not import each other both ways."""
+    assert not _dslab_imports("models") & {"dslab.train", "dslab.pretrain", "dslab.lora", "dslab.infer", "dslab.cli"}
+    assert "dslab.tp_infer" not in _dslab_imports("infer")
+    for module in ("models", "pretrain", "lora", "infer", "tp_infer", "evaluate", "corpus"):
+        source = (REPO / "dslab" / f"{module}.py").read_text(encoding="utf-8")
+        assert "argparse" not in source and "def add_commands" not in source, module

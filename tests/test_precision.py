@@ -1,4 +1,6 @@
-"""dslab.precision: format tables, rounding fates, underflow and loss scaling, DeepSpeed's scaler, bf16 recipe."""
+"""dslab.precision (format tables, rounding fates, master weights) and dslab.loss_scaling (underflow, GradScaler,
+DeepSpeed's scaler, the AMP step of chapter 02)."""
+import functools
 import json
 import math
 import subprocess
@@ -7,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from dslab import plots, precision
+from dslab import loss_scaling, plots, precision
+from dslab.exercises import ch02
 
 
 def test_dtype_table_matches_ieee_layouts():
@@ -40,6 +43,16 @@ def test_fate(value, name, expected):
     assert precision.fate(value, name) == expected
 
 
+def test_formats_are_named_by_string_everywhere():
+    assert precision.torch_dtype("bf16") is torch.bfloat16
+    for wrong in (torch.float16, "float16", "half"):
+        with pytest.raises(ValueError, match="fp32, fp16, bf16"):
+            precision.torch_dtype(wrong)
+    x, targets, make_layer = loss_scaling.nearly_fit_problem(batch=8, d_out=4)
+    weight_grad, output_grad = loss_scaling.gradients(x, targets, make_layer, dtype="bf16")
+    assert output_grad.dtype is torch.bfloat16 and weight_grad.dtype is torch.float32
+
+
 def test_fate_table_and_format_table():
     rows = precision.fate_table([70000.0])
     assert rows[0]["fp16"] == math.inf and rows[0]["fp16_fate"] == "overflow"
@@ -49,7 +62,7 @@ def test_fate_table_and_format_table():
 
 
 def test_underflow_experiment_shows_fp16_losing_gradients_and_scaling_saving_them():
-    result = precision.underflow_experiment()
+    result = loss_scaling.underflow_experiment()
     rows = result["by_run"]
     assert rows["fp16"]["output_grads_zero"] > 0.5                # most per-element gradients flushed to 0
     assert rows["fp16"]["weight_grad_rel_error"] > 0.5
@@ -61,8 +74,8 @@ def test_underflow_experiment_shows_fp16_losing_gradients_and_scaling_saving_the
 
 
 def test_grad_scaler_trace_obeys_the_rules():
-    trace = precision.trace_grad_scaler(steps=12, spike_steps=(2, 3), init_scale=2.0**8, growth_interval=4)
-    assert precision.check_scaler_trace(trace, growth_interval=4) == []
+    trace = loss_scaling.trace_grad_scaler(steps=12, spike_steps=(2, 3), init_scale=2.0**8, growth_interval=4)
+    assert loss_scaling.check_scaler_trace(trace, growth_interval=4) == []
     assert [r["step"] for r in trace if r["skipped"]] == [2, 3]
     assert [r["scale"] for r in trace] == [256, 256, 256, 128] + [64] * 4 + [128] * 4
     fig, data = plots.loss_scale_trace(trace)
@@ -70,27 +83,27 @@ def test_grad_scaler_trace_obeys_the_rules():
 
 
 def test_check_scaler_trace_catches_a_broken_trace():
-    trace = precision.trace_grad_scaler(steps=8, spike_steps=(2,), growth_interval=4)
+    trace = loss_scaling.trace_grad_scaler(steps=8, spike_steps=(2,), growth_interval=4)
     broken = [dict(r) for r in trace]
     broken[2]["next_scale"] = broken[2]["scale"]        # an overflow that did not halve the scale
-    assert precision.check_scaler_trace(broken, growth_interval=4)
+    assert loss_scaling.check_scaler_trace(broken, growth_interval=4)
     broken = [dict(r) for r in trace]
     broken[2]["skipped"] = False                        # an overflow whose step was applied
-    assert precision.check_scaler_trace(broken, growth_interval=4)
+    assert loss_scaling.check_scaler_trace(broken, growth_interval=4)
 
 
 def test_bf16_needs_no_scaler_and_takes_the_spike():
-    trace = precision.trace_grad_scaler(steps=6, spike_steps=(2,), dtype="bf16")
+    trace = loss_scaling.trace_grad_scaler(steps=6, spike_steps=(2,), dtype="bf16")
     assert not any(r["overflow"] or r["skipped"] for r in trace)
     assert {r["scale"] for r in trace} == {1.0}
 
 
 _DEEPSPEED_SCALER = """
 import json
-from dslab import dist, precision
+from dslab import dist, loss_scaling, precision
 dist.quiet()
-ex = precision.trace_deepspeed_scaler(precision.DS_SCALE_OVERFLOWS, **precision.DS_SCALE_FP16)
-floor = precision.trace_deepspeed_scaler([True] * 8, initial_scale_power=3, loss_scale_window=4, min_loss_scale=1)
+ex = loss_scaling.trace_deepspeed_scaler(precision.DS_SCALE_OVERFLOWS, **precision.DS_SCALE_FP16)
+floor = loss_scaling.trace_deepspeed_scaler([True] * 8, initial_scale_power=3, loss_scale_window=4, min_loss_scale=1)
 print(json.dumps({"exercise": ex, "floor": floor}))
 """
 
@@ -101,7 +114,7 @@ def test_deepspeed_scaler_replay_and_minimum():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     ex = result["exercise"]
-    assert ex[-1]["next_scale"] == precision.DS_SCALE_ANSWER
+    assert ex[-1]["next_scale"] == ch02.DS_SCALE_ANSWER
     assert ex[1]["next_scale"] == ex[1]["scale"]            # first overflow: hysteresis absorbs it
     assert ex[3]["next_scale"] == ex[3]["scale"] / 2        # second: halves
     floor = result["floor"]
@@ -121,7 +134,7 @@ def test_matmul_gflops_is_positive_and_restores_threads():
 
 
 def test_wrong_amp_loop_does_not_learn_and_the_scaled_one_follows_fp32():
-    x, y, new_model = precision.amp_problem(rows=1024, d_out=256, offset=0.002)
+    x, y, new_model = loss_scaling.amp_problem(rows=1024, d_out=256, offset=0.002)
     model = new_model()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=60.0)
@@ -132,20 +145,21 @@ def test_wrong_amp_loop_does_not_learn_and_the_scaled_one_follows_fp32():
             optimizer.step()
     assert (model.weight.grad == 0).all()
     assert all(torch.equal(model.state_dict()[k], start[k]) for k in start)
-    runs = precision.amp_runs(steps=4, lr=60.0, rows=1024, d_out=256, offset=0.002)
+    runs = loss_scaling.amp_runs(steps=4, lr=60.0, rows=1024, d_out=256, offset=0.002)
     assert runs["fp32"][-1] < runs["fp32"][0] / 10
     scaled = runs["scaler, backward inside autocast"]
     assert abs(scaled[0] / runs["fp32"][0] - 1) < 0.05 and scaled[-1] < scaled[0] / 10   # it learns, like fp32
 
 
 def test_run_amp_step_tells_clipping_orders_apart():
-    right = precision.run_amp_step(precision._reference_amp_clip_step)
-    scaled = precision.run_amp_step(precision._clip_scaled_step)
-    unclipped = precision.run_amp_step(precision._unclipped_step)
-    none = precision.run_amp_step(precision._no_scaler_step)
+    reference = loss_scaling.reference_amp_clip_step
+    right = loss_scaling.run_amp_step(reference)
+    scaled = loss_scaling.run_amp_step(functools.partial(reference, unscale_first=False))
+    unclipped = loss_scaling.run_amp_step(functools.partial(reference, clip=False))
+    none = loss_scaling.run_amp_step(functools.partial(reference, scale=False))
     assert right["moved"] and right["grad_zero"] < 1.0
-    assert not precision._same_weights(scaled["weights"], right["weights"])
-    assert not precision._same_weights(unclipped["weights"], right["weights"])
+    assert not loss_scaling.same_weights(scaled["weights"], right["weights"])
+    assert not loss_scaling.same_weights(unclipped["weights"], right["weights"])
     assert not none["moved"] and none["grad_zero"] == 1.0
 
 

@@ -147,8 +147,63 @@ def weights_not_from_safetensors(tree):
     return found
 
 
+# from_pretrained of these holds no weights: a tokenizer, a config, a processor. use_safetensors would not apply
+# (a tokenizer would even store it in its tokenizer_config.json).
+NO_WEIGHTS = ("Tokenizer", "Config", "Processor", "FeatureExtractor")
+
+
+def model_loads_without_safetensors_only(tree):
+    """A transformers model's from_pretrained falls back to pickled pytorch_model.bin when a folder has no
+    safetensors file; use_safetensors=True makes it fail instead. Every weights-loading from_pretrained passes it.
+    PeftModel.from_pretrained is the exception: peft reads adapter_model.safetensors first and its only fallback
+    is torch.load(weights_only=True), which unpickles no code (and dslab checks adapters with read_adapter)."""
+    found = []
+    for call, name in _calls(tree):
+        if not name or not name.endswith(".from_pretrained"):
+            continue
+        owner = name.split(".")[-2]
+        if owner == "PeftModel" or any(word in owner for word in NO_WEIGHTS):
+            continue
+        if not _is_const(_keyword(call, "use_safetensors"), True):
+            found.append(_where(call, f"{name}(...) without use_safetensors=True may unpickle a .bin"))
+    return found
+
+
+def _innermost_functions(tree):
+    """{id(call): the innermost def around it} for every call inside a function (ast.walk goes outer to inner)."""
+    owner = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Call):
+                    owner[id(sub)] = node
+    return owner
+
+
+def remote_code_not_from_a_false_default(tree):
+    """trust_remote_code=<name> in a from_pretrained call must be a parameter of the calling function that
+    defaults to False (the caller's explicit opt-in), whatever the parameter is called."""
+    found, owner = [], _innermost_functions(tree)
+    for call, name in _calls(tree):
+        value = _keyword(call, "trust_remote_code")
+        if not (name and name.endswith(".from_pretrained") and isinstance(value, ast.Name)):
+            continue
+        func = owner.get(id(call))
+        args = func.args if func else None
+        params = {}
+        if args:
+            positional = args.posonlyargs + args.args
+            params.update({a.arg: d for a, d in zip(positional[len(positional) - len(args.defaults):], args.defaults)})
+            params.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults)})
+        if not _is_const(params.get(value.id), False):
+            found.append(_where(call, f"trust_remote_code={value.id}: not a parameter of the caller that defaults to "
+                                      "False"))
+    return found
+
+
 RULES = [torch_load_without_weights_only, pickle_loads, shell_commands, remote_code_defaults,
-         weights_not_from_safetensors]
+         weights_not_from_safetensors, model_loads_without_safetensors_only,
+         remote_code_not_from_a_false_default]
 
 
 def scan_source(source, rules=RULES):
@@ -158,7 +213,7 @@ def scan_source(source, rules=RULES):
 
 def _package_files():
     files = sorted(PACKAGE.rglob("*.py"))
-    assert len(files) > 10 and (PACKAGE / "launch.py") in files  # the scan really sees the package
+    assert len(files) > 10 and (PACKAGE / "__init__.py") in files  # the scan really sees the package
     return files
 
 
@@ -173,20 +228,32 @@ def test_package_source_passes(rule):
     assert not problems, f"{rule.__doc__}\n" + "\n".join(problems)
 
 
-def test_remote_code_is_an_explicit_opt_in_somewhere():
-    """The pass-through rule is not vacuous: the package does offer the flag, off by default."""
-    sources = {p.name: p.read_text(encoding="utf-8") for p in _package_files()}
-    assert any("trust_remote_code=False" in s for s in sources.values())
-    assert any('"--trust-remote-code", action="store_true"' in s for s in sources.values())
+def test_the_package_offers_remote_code_only_as_an_opt_in():
+    """The pass-through rules above are not vacuous: dslab's model and tokenizer loads do take the caller's
+    trust_remote_code (a parameter defaulting to False, checked by remote_code_not_from_a_false_default)."""
+    opt_ins = []
+    for path in _package_files():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        opt_ins += [f"{path.name}:{call.lineno}" for call, name in _calls(tree) if name
+                    and name.endswith(".from_pretrained") and isinstance(_keyword(call, "trust_remote_code"), ast.Name)]
+    assert len(opt_ins) >= 2, f"expected the model and the tokenizer load to take the opt-in, found {opt_ins}"
 
 
-def test_model_loading_goes_through_safetensors():
+def test_the_opt_in_check_catches_a_true_default_under_another_name():
+    bad = ast.parse("def load(p, trust=True):\n    return AutoModel.from_pretrained(p, trust_remote_code=trust)\n"
+                    "def outer(p, allow=False):\n    def inner():\n"
+                    "        return M.from_pretrained(p, trust_remote_code=x)\n")
+    assert [f.split(":")[0] for f in remote_code_not_from_a_false_default(bad)] == ["line 2", "line 5"]
+    good = ast.parse("def load(p, *, allow=False):\n"
+                     "    return AutoTokenizer.from_pretrained(p, trust_remote_code=allow)")
+    assert remote_code_not_from_a_false_default(good) == []
+
+
+def test_the_base_model_folder_holds_no_pickled_weights():
     from dslab import models
 
-    tree = ast.parse((PACKAGE / "models.py").read_text(encoding="utf-8"))
-    loads = [call for call, name in _calls(tree) if name and name.endswith("AutoModelForCausalLM.from_pretrained")]
-    assert loads and all(_is_const(_keyword(c, "use_safetensors"), True) for c in loads)
     assert sorted(p.name for p in Path(models.DEFAULT_MODEL_DIR).glob("*.bin")) == []
+    assert list(Path(models.DEFAULT_MODEL_DIR).glob("*.safetensors"))
 
 
 # --------------------------------------------------------------------------- each rule catches what it should
@@ -222,6 +289,16 @@ BAD = {
         "AutoModelForCausalLM.from_pretrained(p, use_safetensors=False)",
         "model.save_pretrained(out, safe_serialization=False)",
     ],
+    model_loads_without_safetensors_only: [
+        "from transformers import AutoModelForCausalLM\nm = AutoModelForCausalLM.from_pretrained(path)",
+        "import transformers\nm = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=dt)",
+        "m = model_class.from_pretrained(path, use_safetensors=None)",
+    ],
+    remote_code_not_from_a_false_default: [
+        "def load(p, trust=True):\n    return AutoModel.from_pretrained(p, trust_remote_code=trust)",
+        "def load(p):\n    trust = True\n    return AutoTokenizer.from_pretrained(p, trust_remote_code=trust)",
+        "allow = True\nAutoTokenizer.from_pretrained(p, trust_remote_code=allow)",
+    ],
 }
 
 GOOD = {
@@ -235,6 +312,16 @@ GOOD = {
         "p.add_argument('--trust-remote-code', action='store_true', help='off by default')",
     ],
     weights_not_from_safetensors: ["AutoModelForCausalLM.from_pretrained(p, use_safetensors=True)"],
+    model_loads_without_safetensors_only: [
+        "AutoModelForCausalLM.from_pretrained(p, dtype=dt, use_safetensors=True)",
+        "AutoTokenizer.from_pretrained(p)", "AutoConfig.from_pretrained(p)",
+        "PeftModel.from_pretrained(base, adapter_dir)",
+    ],
+    remote_code_not_from_a_false_default: [
+        "def load(p, *, opt_in=False):\n    return AutoModel.from_pretrained(p, trust_remote_code=opt_in)",
+        "def load(p, trust_remote_code=False):\n"
+        "    return AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)",
+    ],
 }
 
 

@@ -1,6 +1,9 @@
 """dslab sft: data with placeholders, prompt masking, checks before launch, and a real 2-rank ZeRO-3 run
-whose adapter loads in plain PEFT, merges, and resumes from a checkpoint to the same weights."""
+whose adapter loads in plain PEFT, merges, and resumes from a checkpoint to the same weights; the step's loss
+is the mean over every label token; logs and checkpoints go beside the output, where --resume finds them."""
 import json
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dslab import config, data, lora, models, sft
+from dslab import checkpoints, config_check, data, lora, models, sft
 
 NAME, AUTHOR = ("小海", "Xiao Hai"), ("蓝天学院", "Blue Sky Lab")
 
@@ -61,7 +64,7 @@ def _refused_quickly(tmp_path, monkeypatch, exc, match, **kwargs):
     with pytest.raises(exc, match=match):
         sft.run(**{"output": str(tmp_path / "out"), **kwargs})
     assert time.perf_counter() - start < 10  # refused before any rank was started
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("*-logs"))
 
 
 def test_unwritable_output_is_refused_before_launch(tmp_path, monkeypatch):
@@ -75,23 +78,42 @@ def test_missing_data_is_refused_before_launch(tmp_path, monkeypatch):
 def test_bad_deepspeed_file_is_refused_before_launch(tmp_path, monkeypatch):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimisation": {"stage": 2}}))
-    _refused_quickly(tmp_path, monkeypatch, config.ConfigError, "zero_optimization", deepspeed=str(bad))
+    _refused_quickly(tmp_path, monkeypatch, config_check.ConfigError, "zero_optimization", deepspeed=str(bad))
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch_and_zero(tmp_path, monkeypatch):
-    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "no complete checkpoint", resume=str(tmp_path))
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, "no complete checkpoint", resume=str(tmp_path))
     (tmp_path / "step4").mkdir()
     state = {"step": 4, "world_size": 4, "zero_stage": 2, "global_batch": 32}
-    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps(state))
+    (tmp_path / "step4" / checkpoints.STATE_FILE).write_text(json.dumps(state))
     (tmp_path / "latest").write_text("step4")
     # 2 ranks x 8 x 1 = 16 examples per step, not 32: the fix names the product to choose
-    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, r"global batch is 32.*--grad-accum-steps = 16",
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, r"global batch is 32.*--grad-accum-steps = 16",
                      resume=str(tmp_path), world_size=2)
-    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "resume with --zero 2", resume=str(tmp_path), zero_stage=3)
-    (tmp_path / "step4" / sft.STATE_FILE).write_text(json.dumps({**state, "zero_stage": 0}))
-    _refused_quickly(tmp_path, monkeypatch, sft.SFTError, "resume with --world-size 4", resume=str(tmp_path),
-                     zero_stage=0, world_size=2, grad_accum_steps=2)
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, "resume with --zero 2", resume=str(tmp_path),
+                     zero_stage=3)
+    (tmp_path / "step4" / checkpoints.STATE_FILE).write_text(json.dumps({**state, "zero_stage": 0}))
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, "resume with --world-size 4",
+                     resume=str(tmp_path), zero_stage=0, world_size=2, grad_accum_steps=2)
     assert not (tmp_path / "step4_universal").exists()
+
+
+def test_resume_given_the_runs_output_finds_its_checkpoints_or_says_where_it_looked(tmp_path, monkeypatch):
+    output = tmp_path / "adapter"
+    where = re.escape(str(tmp_path / "adapter-checkpoints"))
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, f"no complete checkpoint.*{where}",
+                     resume=str(output))
+    tag_dir = checkpoints.default_dir(output) / "step6"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / checkpoints.STATE_FILE).write_text(json.dumps({"step": 6, "world_size": 2, "zero_stage": 2,
+                                                              "global_batch": 16}))
+    (tag_dir.parent / "latest").write_text("step6")
+    assert checkpoints.find_checkpoints(output) == tag_dir.parent
+    assert checkpoints.latest_checkpoint(output) == checkpoints.latest_checkpoint(tag_dir.parent)
+    assert checkpoints.latest_checkpoint(output)[1]["step"] == 6
+    # found, and then checked like any checkpoint: this one was written with ZeRO-2
+    _refused_quickly(tmp_path, monkeypatch, checkpoints.CheckpointError, "resume with --zero 2", resume=str(output),
+                     zero_stage=3)
 
 
 def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(base_dir, identity_file, tmp_path,
@@ -105,8 +127,12 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     # 16 chats / 2 ranks / 4 per micro-batch = 2 steps per epoch; a checkpoint after each epoch
     first = sft.run(output=tmp_path / "adapter", save_every=2, **common)
     assert first["zero_stage"] == 3 and first["steps"] == 4
+    # the ranks' logs sit beside the output, as its checkpoints do, not in the directory the run started from
+    logs = tmp_path / "adapter-logs"
+    assert any("loss" in p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    assert not (tmp_path / "runs").exists()
     assert first["ungathered_adapter_numel"] == 0  # what a plain save would have written under ZeRO-3
-    state = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    state = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
     assert sum(v.numel() for v in state.values()) == first["trainable"] > 0
     assert all("lora_" in k for k in state)
 
@@ -121,10 +147,10 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     ckpt = tmp_path / "adapter-checkpoints"
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step2", "step4"]
     (ckpt / "latest").write_text("step2")
-    second = sft.run(output=tmp_path / "resumed", resume=str(ckpt), **common)
+    second = sft.run(output=tmp_path / "resumed", resume=str(tmp_path / "adapter"), **common)  # finds ckpt
     assert second["start_step"] == 2 and [e["step"] for e in second["loss_log"]] == [3, 4]
     assert [e["loss"] for e in second["loss_log"]] == [e["loss"] for e in first["loss_log"][2:]]
-    resumed = load_file(str(tmp_path / "resumed" / lora.ADAPTER_WEIGHTS))
+    resumed = load_file(str(tmp_path / "resumed" / models.ADAPTER_WEIGHTS))
     assert all(torch.equal(resumed[k], state[k]) for k in state)
 
     # The same checkpoint on ONE rank (global batch kept: 1 x 4 x 2 = 2 x 4 x 1): DeepSpeed's universal
@@ -134,9 +160,9 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
 
     one = sft.run(output=tmp_path / "one-rank", resume=str(ckpt), **{**common, "world_size": 1, "grad_accum_steps": 2,
                                                                       "epochs": 1})
-    assert one["start_step"] == 2 and one["loss_log"] == [] and (ckpt / "step2_universal" / sft.STATE_FILE).exists()
+    assert one["start_step"] == 2 and one["loss_log"] == [] and (ckpt / "step2_universal" / checkpoints.STATE_FILE).exists()
     master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="step2", exclude_frozen_parameters=True)
-    loaded = load_file(str(tmp_path / "one-rank" / lora.ADAPTER_WEIGHTS))
+    loaded = load_file(str(tmp_path / "one-rank" / models.ADAPTER_WEIGHTS))
     assert loaded.keys() == {k.replace(".default", "") for k in master}
     assert all(torch.equal(loaded[k.replace(".default", "")], v.to(loaded[k.replace(".default", "")].dtype))
                for k, v in master.items())
@@ -194,7 +220,7 @@ def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_ba
         (loss / n_tokens).backward()
         total += loss.item()
     assert abs(result.rank0["loss_log"][0]["loss"] - total / n_tokens) < 1e-5
-    saved = load_file(str(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS))
+    saved = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
     grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_B" in n}
     assert grads and saved.keys() >= grads.keys()
     worst = max((saved[k] + g).abs().max().item() for k, g in grads.items())  # B after one step = 0 - 1.0 x grad
@@ -210,3 +236,92 @@ def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_ba
 
 def _take(iterator, n):
     return [next(iterator) for _ in range(n)]
+
+
+# ---- the recipe `dslab sft` runs: the same per-token step as the chapter's script --------------------------------
+def test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks(
+        base_dir, identity_file, tmp_path, monkeypatch):
+    """One SGD step (lr 1, fp32, no clipping) of a full fine-tune on 2 ranks x 2 micro-batches: every saved weight
+    must be W minus the gradient of (sum of all token losses) / (all label tokens), as in chapter 05's script."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    # 8 chats / 2 ranks / 2 per micro-batch / 2 micro-batches per step: one step
+    result = sft.run(output=tmp_path / "full", model=str(base_dir), data=str(identity_file), mix_general=0, full=True,
+                     epochs=1, world_size=2, deepspeed=str(tmp_path / "ds.json"), stream=False, timeout=300)
+    assert result["steps"] == 1
+
+    tokenizer = models.load_tokenizer(base_dir)
+    examples = sft.tokenize(tokenizer, sft.load_chats(str(identity_file), NAME, AUTHOR, mix_general=0))
+    micro = [b for r in (0, 1) for b in _take(sft.rank_batches(examples, r, 2, 2, tokenizer.pad_token_id), 2)]
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    n_tokens = sum(int((b["labels"][:, 1:] != data.IGNORE_INDEX).sum()) for b in micro)
+    total = 0.0
+    for b in micro:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                 ignore_index=data.IGNORE_INDEX, reduction="sum")
+        (loss / n_tokens).backward()
+        total += loss.item()
+    assert abs(result["loss_log"][0]["loss"] - total / n_tokens) < 1e-5
+    saved = load_file(str(tmp_path / "full" / "model.safetensors"))
+    expected = {n: (p - p.grad).detach() for n, p in model.named_parameters() if n in saved}
+    assert expected and max((saved[n] - w).abs().max().item() for n, w in expected.items()) < 1e-5
+    # the mean of the micro-batches' own means (model(**batch).loss) is another number: the test tells them apart
+    with torch.no_grad():
+        per_batch = sum(model(**b).loss.item() for b in micro) / len(micro)
+    assert abs(per_batch - total / n_tokens) > 1e-4
+
+
+# ---- fault injection: the whole job killed at a checkpoint, then resumed from its --output ---------------------
+def kill_job_at_checkpoint(step, output, **options):
+    """`sft.run(output, **options)` (with save_every set), SIGKILLed as a whole as soon as its checkpoint of `step`
+    is complete: the launcher and every rank at once, as the OOM killer or a lost node would. Returns the
+    LaunchError the launcher raised and the number of processes killed."""
+    import psutil
+
+    from dslab import launch
+
+    latest = Path(options.get("checkpoint_dir") or checkpoints.default_dir(output)) / "latest"
+    outcome = {}
+
+    def job():
+        try:
+            outcome["result"] = sft.run(output, **options)
+        except launch.LaunchError as exc:
+            outcome["error"] = exc
+
+    def reached():  # written by this run (not left by an earlier one) and naming that step
+        return latest.exists() and latest.stat().st_mtime >= started and latest.read_text().strip() == f"step{step}"
+
+    started = time.time()
+    thread = threading.Thread(target=job)
+    thread.start()
+    while thread.is_alive() and not reached():
+        time.sleep(0.02)
+    victims = []
+    for proc in psutil.process_iter(["cmdline"]):  # every process of this job has `--output OUTPUT` on its command line
+        if str(output) in (proc.info["cmdline"] or []):
+            victims.append(proc)
+    for proc in victims:
+        proc.kill()
+    thread.join()
+    assert "error" in outcome, f"the run ended before its step-{step} checkpoint could be interrupted"
+    return outcome["error"], len(victims)
+
+
+def test_a_job_killed_at_its_checkpoint_resumes_given_its_output_directory(base_dir, identity_file, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "adapter"
+    common = dict(model=str(base_dir), data=str(identity_file), mix_general=0, world_size=1, epochs=8,
+                  micro_batch_size=2, lora_r=4, lora_alpha=8, stream=False, timeout=300)
+    _, killed = kill_job_at_checkpoint(2, output, save_every=2, **common)  # 8 chats / 2 per step: 32 steps
+    assert killed >= 2 and not output.exists()  # the launcher and the rank; no adapter that looks finished
+    assert (tmp_path / "adapter-logs").is_dir() and not (tmp_path / "runs").exists()
+    resumed = sft.run(output=output, resume=str(output), **common)  # --resume OUTPUT: finds OUTPUT-checkpoints
+    assert resumed["start_step"] >= 2 and resumed["loss_log"][0]["step"] == resumed["start_step"] + 1
+    assert (output / models.ADAPTER_WEIGHTS).exists()

@@ -1,15 +1,16 @@
-"""The deck builder (dslab.slides), the decks in slides/ and the zh/en glossary."""
+"""The deck builder (tools/slides.py), the decks in slides/ and the zh/en glossary."""
 import ast
 import importlib.machinery
 import json
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from dslab import slides
+from tools import slides, slides_html, slides_source
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = [f"{n:02d}" for n in range(9)]  # README's chapter table: 00 … 08
@@ -20,28 +21,28 @@ CHAPTERS = [f"{n:02d}" for n in range(9)]  # README's chapter table: 00 … 08
 # ----------------------------------------------------------------------------------------------------
 def test_split_slides_ignores_separators_in_code_and_blank_slides():
     text = "# Title\n\n---\n\n## Two\n\n```bash\necho a\n---\necho b\n```\n---\n---\n## Three\n---\n"
-    parts = slides.split_slides(text)
+    parts = slides_source.split_slides(text)
     assert len(parts) == 3
     assert parts[1].startswith("## Two") and "---\necho b" in parts[1]
     assert parts[2] == "## Three"
 
 
 def test_parse_target_expressions_and_columns():
-    module, node, cols = slides.parse_target('dslab.memory:t(params=7.5e9, name="a|b") | stage, gb')
+    module, node, cols = slides_source.parse_target('dslab.memory:t(params=7.5e9, name="a|b") | stage, gb')
     assert (module, ast.unparse(node), cols) == ("dslab.memory", "t(params=7500000000.0, name='a|b')", ["stage", "gb"])
-    module, node, cols = slides.parse_target('dslab.plots:f(dslab.precision.trace(steps=4), 2)["rows"][0]|name')
+    module, node, cols = slides_source.parse_target('dslab.plots:f(dslab.precision.trace(steps=4), 2)["rows"][0]|name')
     assert ast.unparse(node) == "f(dslab.precision.trace(steps=4), 2)['rows'][0]" and cols == ["name"]
     for bad in ("os:system", "dslab.plots", "dslab.plots:f(**k)",
                 "dslab.plots:f(*a)", "dslab.plots:f()[k]", "dslab.plots:f(",
                 "dslab.plots:f(x=1 + 2)", "dslab.plots:f()()", "dslab.plots:f()[0]()", "dslab.plots:[x for x in y]"):
-        with pytest.raises(slides.SlideError):
-            slides.parse_target(bad)
+        with pytest.raises(slides_source.SlideError):
+            slides_source.parse_target(bad)
 
 
 def test_evaluate_calls_names_and_subscripts(demo_module):
     def run(target):
-        module, node, _ = slides.parse_target(target)
-        return slides.evaluate(node, module)
+        module, node, _ = slides_source.parse_target(target)
+        return slides_source.evaluate(node, module)
 
     assert run("dslab._slides_demo:double(21)") == 42
     assert run("dslab._slides_demo:double(x=dslab._slides_demo.double(2))") == 8
@@ -50,45 +51,45 @@ def test_evaluate_calls_names_and_subscripts(demo_module):
     assert run("dslab._slides_demo:LIMIT") == 7 and run("dslab._slides_demo:TABLE[1]") == "b"  # constants
     assert run("dslab._slides_demo:double.__doc__") is None  # attributes of the module's own functions
     demo_module.os = __import__("os")
-    with pytest.raises(slides.SlideError, match="os is not defined by"):
+    with pytest.raises(slides_source.SlideError, match="os is not defined by"):
         run("dslab._slides_demo:os.system('true')")  # ...but not of what it imports
     # a repeated call is computed once, and each use gets its own copy
     demo_module.calls = 0
     first = run("dslab._slides_demo:fresh()")
     first.append("changed by a caller")
     assert run("dslab._slides_demo:fresh()") == [] and demo_module.calls == 1
-    with pytest.raises(slides.Missing, match="no not_yet"):
+    with pytest.raises(slides_source.Missing, match="no not_yet"):
         run("dslab._slides_demo:not_yet()")
-    with pytest.raises(slides.Missing, match="dslab has no not_a_module"):
+    with pytest.raises(slides_source.Missing, match="dslab has no not_a_module"):
         run("dslab._slides_demo:double(dslab.not_a_module.f())")
-    with pytest.raises(slides.SlideError, match="has no \\[9\\]"):
+    with pytest.raises(slides_source.SlideError, match="has no \\[9\\]"):
         run("dslab._slides_demo:bars()[1][9]")
 
 
 def test_directives_found_outside_code_only():
     text = "## S\n![figure: cap](dslab.plots:f(a=1))\n```\n![table](dslab.x:g)\n```\n![terms](glossary: ZeRO)"
-    assert slides.directives(text) == [("figure", "cap", "dslab.plots:f(a=1)"), ("terms", "", "glossary: ZeRO")]
+    assert slides_source.directives(text) == [("figure", "cap", "dslab.plots:f(a=1)"), ("terms", "", "glossary: ZeRO")]
 
 
 def test_table_rows_accepts_the_usual_shapes():
     recs = [{"stage": 0, "gb": 1.5}, {"stage": 3, "gb": 0.25}]
-    assert slides.table_rows(recs) == (["stage", "gb"], [[0, 1.5], [3, 0.25]])
-    assert slides.table_rows({"stage": [0, 3], "gb": [1.5, 0.25]}) == (["stage", "gb"], [[0, 1.5], [3, 0.25]])
-    assert slides.table_rows(recs, ["gb"]) == (["gb"], [[1.5], [0.25]])
-    assert slides.table_rows({"a": 1, "b": 2}) == (["", ""], [["a", 1], ["b", 2]])
-    assert slides.table_rows({"a": 1, "b": 2}, ["b"]) == (["", ""], [["b", 2]])
-    assert slides.table_rows({"a": 1, "b": 2}, ["name", "value"]) == (["name", "value"], [["a", 1], ["b", 2]])
-    assert slides.table_rows({"Block": ["o", "down"]}, ["class", "layers"]) == (["class", "layers"], [["Block", ["o", "down"]]])
-    assert slides.table_rows(recs, ["stage", "gb:%"]) == (["stage", "gb (%)"], [[0, 150.0], [3, 25.0]])
-    assert slides.table_rows([{"b": 3 * 2**30}], ["b:GiB"]) == (["b (GiB)"], [[3.0]])
-    with pytest.raises(slides.SlideError, match="unknown unit"):
-        slides.table_rows(recs, ["gb:TB"])
-    with pytest.raises(slides.SlideError, match="no column"):
-        slides.table_rows(recs, ["nope"])
-    with pytest.raises(slides.SlideError):
-        slides.table_rows(42)
-    assert slides._fmt(1234567) == "1,234,567" and slides._fmt(0.123456) == "0.1235"
-    assert slides._fmt(3.4028234663852886e38) == "3.4e+38" and slides._fmt(65504.0) == "65,504"
+    assert slides_html.table_rows(recs) == (["stage", "gb"], [[0, 1.5], [3, 0.25]])
+    assert slides_html.table_rows({"stage": [0, 3], "gb": [1.5, 0.25]}) == (["stage", "gb"], [[0, 1.5], [3, 0.25]])
+    assert slides_html.table_rows(recs, ["gb"]) == (["gb"], [[1.5], [0.25]])
+    assert slides_html.table_rows({"a": 1, "b": 2}) == (["", ""], [["a", 1], ["b", 2]])
+    assert slides_html.table_rows({"a": 1, "b": 2}, ["b"]) == (["", ""], [["b", 2]])
+    assert slides_html.table_rows({"a": 1, "b": 2}, ["name", "value"]) == (["name", "value"], [["a", 1], ["b", 2]])
+    assert slides_html.table_rows({"Block": ["o", "down"]}, ["class", "layers"]) == (["class", "layers"], [["Block", ["o", "down"]]])
+    assert slides_html.table_rows(recs, ["stage", "gb:%"]) == (["stage", "gb (%)"], [[0, 150.0], [3, 25.0]])
+    assert slides_html.table_rows([{"b": 3 * 2**30}], ["b:GiB"]) == (["b (GiB)"], [[3.0]])
+    with pytest.raises(slides_source.SlideError, match="unknown unit"):
+        slides_html.table_rows(recs, ["gb:TB"])
+    with pytest.raises(slides_source.SlideError, match="no column"):
+        slides_html.table_rows(recs, ["nope"])
+    with pytest.raises(slides_source.SlideError):
+        slides_html.table_rows(42)
+    assert slides_html.format_cell(1234567) == "1,234,567" and slides_html.format_cell(0.123456) == "0.1235"
+    assert slides_html.format_cell(3.4028234663852886e38) == "3.4e+38" and slides_html.format_cell(65504.0) == "65,504"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,27 +164,27 @@ def test_missing_function_is_pending_unless_strict(tmp_path, demo_module):
     rep = slides.build_deck(src, tmp_path / "out")
     assert rep.pending and rep.pending[0][0] == 2 and "not_written_yet" in rep.pending[0][2]
     assert 'class="pending"' in rep.output.read_text(encoding="utf-8")
-    with pytest.raises(slides.SlideError, match="slide 2"):
+    with pytest.raises(slides_source.SlideError, match="slide 2"):
         slides.build_deck(src, tmp_path / "out", strict=True)
     src2 = _write(tmp_path, "# T\n---\n![terms](glossary: no such term)\n", "43_t.md")
-    with pytest.raises(slides.SlideError, match="no such term"):
+    with pytest.raises(slides_source.SlideError, match="no such term"):
         slides.build_deck(src2, tmp_path / "out", strict=True)
 
 
 def test_failing_function_names_deck_and_slide(tmp_path, demo_module):
     src = _write(tmp_path, "# T\n---\n## ok\n---\n![figure](dslab._slides_demo:broken)\n")
-    with pytest.raises(slides.SlideError, match=r"42_demo.md, slide 3: .*world_size must be positive"):
+    with pytest.raises(slides_source.SlideError, match=r"42_demo.md, slide 3: .*world_size must be positive"):
         slides.build_deck(src, tmp_path / "out")
     src = _write(tmp_path, "# T\n---\n![table](dslab._slides_demo:bars()[5])\n")
-    with pytest.raises(slides.SlideError, match=r"slide 2: .*has no \[5\]"):
+    with pytest.raises(slides_source.SlideError, match=r"slide 2: .*has no \[5\]"):
         slides.build_deck(src, tmp_path / "out")
     src = _write(tmp_path, "# T\n---\n![table](dslab._slides_demo:bars()[1][1] | bytes)\n")
     assert "<td class=num>8,000</td>" in slides.build_deck(src, tmp_path / "out").output.read_text()
     src = _write(tmp_path, "# T\n---\n![figure](dslab._slides_demo:double(2))\n")
-    with pytest.raises(slides.SlideError, match="no matplotlib Figure"):
+    with pytest.raises(slides_source.SlideError, match="no matplotlib Figure"):
         slides.build_deck(src, tmp_path / "out")
     src = _write(tmp_path, "# T\n---\n![code](dslab._slides_demo:double(2))\n")
-    with pytest.raises(slides.SlideError, match="shows a string"):
+    with pytest.raises(slides_source.SlideError, match="shows a string"):
         slides.build_deck(src, tmp_path / "out")
     src = _write(tmp_path, '# T\n---\n![code: a <b>](dslab._slides_demo:double("a<"))\n')
     out = slides.build_deck(src, tmp_path / "out").output.read_text()
@@ -198,19 +199,30 @@ def test_cli_build_and_list(tmp_path, demo_module, capsys):
     out = capsys.readouterr().out
     assert "42_demo.md: 2 slides" in out and "figure dslab._slides_demo:bars" in out
     assert slides.main(["build", "--src", str(tmp_path / "empty")]) == 1
-    # the same through `dslab slides ...` (dslab.cli adds each module's add_commands)
-    import argparse
 
-    parser = argparse.ArgumentParser(prog="dslab")
-    slides.add_commands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["slides", "build", "--src", str(tmp_path), "--out", str(tmp_path / "cli")])
-    assert args.func(args) == 0 and (tmp_path / "cli" / "42_demo.html").exists()
+
+def test_runs_as_a_script_from_anywhere_and_is_not_a_dslab_command(tmp_path, capsys):
+    """`python tools/slides.py` (no -m, any working directory) finds its sibling modules; `dslab slides` is gone."""
+    _write(tmp_path, "# 42 · Demo\n---\n## Two\n![table](dslab.memory:not_a_function)\n")
+    script = ROOT / "tools" / "slides.py"
+    ok = subprocess.run([sys.executable, str(script), "list", "--src", str(tmp_path)], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "42_demo.md: 2 slides" in ok.stdout and "slide 2: table dslab.memory:not_a_function" in ok.stdout
+    bad = subprocess.run([sys.executable, str(script), "check", "--src", str(tmp_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "not_a_function" in bad.stdout, bad.stdout + bad.stderr
+    from dslab.cli import build_parser
+
+    with pytest.raises(SystemExit):  # the learner's CLI, without the course tooling
+        build_parser().parse_args(["slides", "build"])
+    assert "invalid choice: 'slides'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------
 # The course's decks
 # ----------------------------------------------------------------------------------------------------
-DECKS = slides.deck_paths()
+DECKS = slides_source.deck_paths()
 SECTIONS = ["goals", "run it", "takeaways", "common mistakes"]  # headings every deck has
 
 
@@ -224,12 +236,12 @@ def test_every_chapter_has_a_deck():
 
 @pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
 def test_deck_shape(path):
-    deck = slides.load_deck(path)
+    deck = slides_source.load_deck(path)
     assert deck.title.startswith(path.name[:2]), "the title slide's heading starts with the chapter number"
     headings = [m.lower() for s in deck.slides for m in re.findall(r"^##\s+(.+)$", s, re.M)]
     for section in SECTIONS:
         assert any(h.startswith(section) for h in headings), f"{path.name}: no '## {section.title()}' slide"
-    kinds = [k for s in deck.slides for k, _, _ in slides.directives(s)]
+    kinds = [k for s in deck.slides for k, _, _ in slides_source.directives(s)]
     assert {"figure", "table"} & set(kinds), f"{path.name}: no figure or table from the chapter's code"
     assert "terms" in kinds, f"{path.name}: no terms slide from the glossary"
     assert 6 <= len(deck.slides) <= 16
@@ -240,14 +252,14 @@ def test_every_deck_names_existing_functions_and_terms():
 
     Cheap (nothing runs); tests/browser/test_slides.py builds every deck strictly, running the code.
     """
-    problems = [f"{p.name} slide {n}: {target}: {why}" for p in DECKS for n, target, why in slides.check_deck(p)]
+    problems = [f"{p.name} slide {n}: {target}: {why}" for p in DECKS for n, target, why in slides_source.check_deck(p)]
     assert not problems, "\n".join(problems)
 
 
 def test_check_finds_missing_names(tmp_path, demo_module):
     src = _write(tmp_path, "# T\n---\n![figure](dslab._slides_demo:bars(n=dslab._slides_demo.nope()))\n"
                            "![table](dslab.nowhere:f)\n![terms](glossary: ZeRO; zeroo)\n![table](dslab._slides_demo:bars)\n")
-    found = slides.check_deck(src)
+    found = slides_source.check_deck(src)
     assert [n for n, _, _ in found] == [2, 2, 2] and len(found) == 3
     assert "nope" in found[0][2] and "dslab.nowhere" in found[1][2] and "zeroo" in found[2][2]
     assert slides.main(["check", "--src", str(tmp_path)]) == 1
@@ -261,12 +273,12 @@ GLOSSARY_TERMS = ["ZeRO", "sharding", "gradient accumulation", "mixed precision"
 
 
 def test_glossary_has_the_course_terms_once_each():
-    rows = slides.load_glossary()
+    rows = slides_source.load_glossary()
     expected_zh = {"ZeRO": "零冗余优化器", "sharding": "分片", "gradient accumulation": "梯度累积",
                    "mixed precision": "混合精度", "offload": "卸载", "tensor parallelism": "张量并行",
                    "self-cognition fine-tuning": "自我认知微调"}
     for term in GLOSSARY_TERMS:
-        assert slides.glossary_lookup(term, rows)["zh"] == expected_zh[term]
+        assert slides_source.glossary_lookup(term, rows)["zh"] == expected_zh[term]
     for key in ("en", "zh"):
         values = [r[key].lower() for r in rows]
         assert len(values) == len(set(values)), f"duplicate {key} terms in the glossary"
@@ -291,7 +303,7 @@ def _course_text():
 
 def test_course_text_uses_the_glossary_terms():
     """No slide, doc or notebook text uses a Chinese variant the glossary says to avoid."""
-    rows = slides.load_glossary()
+    rows = slides_source.load_glossary()
     found = []
     for where, text in _course_text():
         for r in rows:

@@ -28,7 +28,7 @@ def test_tp2_equals_hf_and_shards_layers(tmp_path, monkeypatch, hf_completions):
     import torch
 
     monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
-    result = tp_infer.run(PROMPTS, tp=2, max_new_tokens=16, stream=False, logits=True)
+    result = tp_infer.generate_tensor_parallel(PROMPTS, tp=2, max_new_tokens=16, stream=False, logits=True)
     assert result["completions"] == hf_completions
     assert result["config"] == {"tensor_parallel": {"tp_size": 2}, "dtype": "float32", "replace_with_kernel_inject": False}
     hf = tp_infer.generate_with_logits(models.load_model(), models.load_tokenizer(), PROMPTS, 16)
@@ -62,7 +62,7 @@ def test_different_prompts_on_ranks_are_refused(tmp_path, monkeypatch):
         launch.run(str(script), world_size=2, stream=False)
 
 
-@pytest.mark.skipif(tp_infer.has_gpu(), reason="CPU-only message")
+@pytest.mark.skipif(tp_infer.accelerator_is_cuda(), reason="CPU-only message")
 def test_kernel_inject_refused_on_cpu(capsys):
     from dslab import cli
 
@@ -83,10 +83,18 @@ def test_generate_with_logits_counts_text_tokens_and_matches_generate():
 
 def test_kernel_injection_is_not_refused_by_dtype():
     """The injected kernels exist for float16, bfloat16 and float32: only the device and the model family count."""
-    for dtype in ("float16", "bfloat16", "float32"):
-        assert tp_infer.kernel_inject_problem(None, dtype) == tp_infer.kernel_inject_problem(None, "float16")
+    for dtype in ("fp16", "bf16", "fp32"):
+        assert tp_infer.kernel_inject_problem(None, dtype) == tp_infer.kernel_inject_problem(None, "fp16")
 
 
 def test_digest_sees_order_and_text():
     assert tp_infer.prompts_digest(["a", "b"]) != tp_infer.prompts_digest(["b", "a"])
     assert tp_infer.prompts_digest(["a"]) == tp_infer.prompts_digest(("a",))
+
+
+def test_dtype_names_are_checked_before_any_rank_starts():
+    with pytest.raises(tp_infer.TPInferenceError, match="'fp32', 'bf16', 'fp16'"):
+        tp_infer.generate_tensor_parallel(PROMPTS, tp=2, dtype="float32")
+    if not tp_infer.accelerator_is_cuda():
+        with pytest.raises(tp_infer.TPInferenceError, match="needs a GPU"):
+            tp_infer.generate_tensor_parallel(PROMPTS, tp=2, dtype="fp16")

@@ -5,7 +5,7 @@ import time
 import deepspeed
 from peft import get_peft_model_state_dict
 
-from dslab import dist, lora, models, sft, train
+from dslab import checkpoints, dist, lora, models, sft, train
 
 args = dist.recipe_args(**sft.RECIPE_DEFAULTS)  # every option of `dslab sft`, listed in dslab/sft.py
 rank, world_size = dist.init()
@@ -21,13 +21,13 @@ steps = sft.total_steps(len(examples), world_size, args.micro_batch_size, args.g
 config = (sft.read_deepspeed_file(args.deepspeed_config, world_size) if args.deepspeed_config else
           sft.deepspeed_config(args.zero_stage, world_size, args.micro_batch_size, args.grad_accum_steps,
                                args.lr or sft.default_lr(args.full), steps))
-if args.resume and sft.latest_checkpoint(args.resume)[1]["world_size"] != world_size:
-    config["checkpoint"] = {"load_universal": True}  # saved by another number of ranks: see sft.check_resume
+if args.resume and checkpoints.needs_universal(args.resume, world_size):
+    config["checkpoint"] = {"load_universal": True}  # saved by another number of ranks: see checkpoints.check_resume
 trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: A and B only; the optimizer sees nothing else
 engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trainable)
 zero_stage, micro, accum = engine.zero_optimization_stage(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 steps = sft.total_steps(len(examples), world_size, micro, accum, args.epochs)  # a --deepspeed file may set other sizes
-start = sft.resume(engine, args.resume, world_size, zero_stage) if args.resume else 0
+start = checkpoints.load_checkpoint(engine, args.resume, world_size, zero_stage) if args.resume else 0
 batches = sft.rank_batches(examples, rank, world_size, micro, tokenizer.pad_token_id, args.seed, skip=start * accum)
 probe = next(sft.rank_batches(examples, 0, 1, micro, tokenizer.pad_token_id, args.seed))  # one batch, same on every rank
 activation_bytes = sft.activation_bytes(engine.module, probe)
@@ -41,11 +41,14 @@ def on_step(step, loss):  # train.train counts from 1; a resumed run had already
     if args.progress_file and rank == 0:
         sft.write_progress(args.progress_file, step, loss)  # `dslab sft` draws its progress bar from this
     if args.save_every and step % args.save_every == 0:
-        sft.save_checkpoint(engine, args.checkpoint_dir, step, world_size, zero_stage)
+        checkpoints.save_checkpoint(engine, args.checkpoint_dir, step, world_size, zero_stage)
 
 
 t0 = time.perf_counter()
-log = [dict(e, step=e["step"] + start) for e in train.train(engine, batches, steps - start, progress=False, on_step=on_step)]
+# per_token: the step's loss is the mean over every label token of all its micro-batches and ranks, as in
+# chapter 05's train_sft.py: every answer token weighs the same, whichever micro-batch or rank it lands in.
+log = [dict(e, step=e["step"] + start)
+       for e in train.train(engine, batches, steps - start, progress=False, on_step=on_step, per_token=True)]
 train_seconds = time.perf_counter() - t0
 model_states = sft.model_states(engine)  # bytes this rank holds for the model (measured, as in chapter 04)
 if args.full:
@@ -57,4 +60,4 @@ dist.save_result({"rank": rank, "world_size": world_size, "zero_stage": zero_sta
                   "examples": len(examples), "loss_log": log, "final_loss": log[-1]["loss"] if log else None,
                   "train_seconds": train_seconds, "activation_bytes": activation_bytes, "model_states": model_states,
                   "ungathered_adapter_numel": None if args.full else ungathered,
-                  **lora.count_parameters(engine.module)})
+                  **lora.trainable_summary(engine.module)})

@@ -3,7 +3,7 @@ from dslab import lora, models
 
 # 05.lora_params: attach r=8 adapters to q_proj and v_proj of a model of the dslab-tiny shape and count.
 model = lora.attach_lora(models.build_model(models.tiny_config()), r=8, alpha=16, target_modules=["q_proj", "v_proj"])
-lora_params = lora.count_parameters(model)["trainable"]
+lora_params = lora.trainable_summary(model)["trainable"]
 # The same by hand: r (d_in + d_out) per adapted layer, v_proj maps 256 -> 2 KV heads x 64.
 assert lora_params == 4 * (8 * (256 + 256) + 8 * (256 + 128))
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from dslab import slides
+from tools import slides, slides_html, slides_source
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = slides.find_chromium()
+CHROMIUM = slides_html.find_chromium()
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Debian's chromium for headless rendering: apt-get install -y chromium")
-DECKS = slides.deck_paths()
-W, H = slides.WIDTH, slides.HEIGHT
+DECKS = slides_source.deck_paths()
+W, H = slides_html.WIDTH, slides_html.HEIGHT
 SHOTS = ROOT / "tests" / "browser" / "screenshots"  # kept (gitignored) so a failure can be looked at
 
 
@@ -41,7 +41,7 @@ def built(tmp_path_factory):
 def render(html_path, slide, shot):
     """Open deck#slide in a fresh headless Chromium; screenshot to shot; return <body>'s data-* attributes."""
     with tempfile.TemporaryDirectory(prefix="dslab-chromium-") as profile:
-        cmd = [CHROMIUM, *slides.CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--hide-scrollbars",
+        cmd = [CHROMIUM, *slides_html.CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--hide-scrollbars",
                f"--window-size={W},{H}", f"--screenshot={shot}", "--dump-dom", f"{html_path.as_uri()}#{slide}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -64,8 +64,10 @@ def ink(png):
     return float(near), float(dark)
 
 
-def test_there_are_decks():
-    assert len(DECKS) >= 9, f"expected a deck per chapter 00-08, found {[p.name for p in DECKS]}"
+def test_the_decks_built_are_the_chapters_notebooks(built):
+    """One deck per notebook, no stray or missing one: the parametrized render tests below cover every chapter."""
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(built) == notebooks
 
 
 @pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
@@ -96,7 +98,7 @@ def test_pdf_export_one_page_per_slide(built, tmp_path):
     name = sorted(built)[0]
     html_path = tmp_path / f"{name}.html"
     html_path.write_bytes(built[name].read_bytes())
-    pdf = slides.export_pdf(html_path).read_bytes()
+    pdf = slides_html.export_pdf(html_path).read_bytes()
     assert pdf.startswith(b"%PDF")
     pages = len(re.findall(rb"/Type\s*/Page\b", pdf))
     assert pages == expected_slides((ROOT / "slides" / f"{name}.md").read_text(encoding="utf-8"))

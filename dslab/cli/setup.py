@@ -1,0 +1,210 @@
+"""Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate` and `measure`.
+
+The work is done by dslab.env, dslab.config / dslab.config_check, dslab.memory and dslab.zero; this file
+parses the arguments, calls them and prints. Each command returns its exit status.
+"""
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from dslab import config, config_check, dist, env, memory, zero
+
+
+def add_commands(subparsers):
+    """`dslab env`, `dslab prepare`, `dslab config check|new`, `dslab estimate` and `dslab measure`."""
+    _add_env_commands(subparsers)
+    _add_config_commands(subparsers)
+    _add_memory_commands(subparsers)
+
+
+# --------------------------------------------------------------------------- env, prepare
+
+def _env(args):
+    dist.send_deepspeed_logs_to_stderr()
+    rep = env.report()
+    print(json.dumps(rep, indent=2, sort_keys=True) if args.json else env.format_report(rep))
+    return 0
+
+
+def _prepare(args):
+    dist.send_deepspeed_logs_to_stderr()
+    try:
+        env.prepare(only=args.only, verbose=args.verbose)
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    return 0
+
+
+def _add_env_commands(subparsers):
+    parser = subparsers.add_parser("env", help="what this machine offers DeepSpeed, and which course features run")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=_env)
+    prep = subparsers.add_parser("prepare", help="build the JIT ops the course uses (shm_comm, cpu_adam) now")
+    prep.add_argument("--only", nargs="+", choices=[name for name, _, _ in env.COURSE_OPS], help="build only these")
+    prep.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    prep.set_defaults(func=_prepare)
+
+
+# --------------------------------------------------------------------------- config check, config new
+
+def _config_check(args):
+    path = Path(args.file)
+    if not path.exists() and os.sep not in args.file:  # a ready-made config by name
+        try:
+            path = config.config_path(args.file)
+        except FileNotFoundError:
+            pass
+    try:
+        cfg = config.load_config(path)
+    except FileNotFoundError:
+        print(f"{args.file}: no such file (ready-made configs: {', '.join(config.BUNDLED)})")
+        return 1
+    except config_check.ConfigError as exc:
+        print(exc)
+        return 1
+    dist.send_deepspeed_logs_to_stderr()
+    device = None if args.device == "auto" else args.device
+    problems = config_check.check_config(cfg, world_size=args.world_size, device=device, allow_auto=args.hf_trainer)
+    if problems:
+        n = len(problems)
+        print(f"{args.file}: {n} problem{'s' if n != 1 else ''}")
+        for p in problems:
+            print(f"  {p}")
+        return 1
+    print(f"{args.file}: OK")
+    for line in config_check.describe(cfg, args.world_size).splitlines():
+        print(f"  {line}")
+    return 0
+
+
+def _config_new(args):
+    dist.send_deepspeed_logs_to_stderr()
+    # Without --world-size the file leaves train_batch_size out: DeepSpeed computes it on any number of ranks.
+    extra = {} if args.world_size else {"train_batch_size": None}
+    try:
+        cfg = config.make_config(zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
+                                 offload_param=args.offload_param, precision=args.precision,
+                                 micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
+                                 world_size=args.world_size, lr=args.lr, **extra)
+    except ValueError as exc:  # config_check.ConfigError is a ValueError
+        print(exc)
+        return 1
+    if args.output:
+        config.save_config(cfg, args.output)
+        print(f"wrote {args.output}")
+    else:
+        print(config.to_json(cfg), end="")
+    return 0
+
+
+def _add_config_commands(subparsers):
+    parser = subparsers.add_parser("config", help="check or create DeepSpeed configs")
+    sub = parser.add_subparsers(dest="config_command", metavar="ACTION")
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+    check = sub.add_parser("check", help="list every problem in a DeepSpeed JSON config (exit 1 if any)")
+    check.add_argument("file", help=f"a JSON file, or a ready-made config name ({', '.join(config.BUNDLED)})")
+    check.add_argument("--world-size", type=int, default=None,
+                       help="number of ranks it will run on (default: $WORLD_SIZE, else 1)")
+    check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "any"],
+                       help="accelerator to check fp16/bf16 against (auto: this machine; any: skip)")
+    check.add_argument("--hf-trainer", action="store_true",
+                       help='the file goes to transformers\' Trainer, which fills "auto" values')
+    check.set_defaults(func=_config_check)
+
+    new = sub.add_parser("new", help="print (or write) a config built by dslab.config.make_config")
+    new.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    new.add_argument("--offload-optimizer", action="store_true", help="optimizer states to CPU (ZeRO-Offload)")
+    new.add_argument("--offload-param", action="store_true", help="parameters to CPU (needs --zero 3)")
+    new.add_argument("--precision", default="bf16", choices=config.PRECISIONS)
+    new.add_argument("--micro-batch-size", type=int, default=1, help="train_micro_batch_size_per_gpu")
+    new.add_argument("--grad-accum-steps", type=int, default=1, help="gradient_accumulation_steps")
+    new.add_argument("--world-size", type=int, default=None,
+                     help="ranks, to write train_batch_size (default: leave it out; DeepSpeed computes it)")
+    new.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    new.add_argument("-o", "--output", help="write to this file (atomically) instead of printing")
+    new.set_defaults(func=_config_new)
+
+
+# --------------------------------------------------------------------------- estimate, measure
+
+def _print_report(rep, as_json):
+    print(json.dumps(rep, indent=2) if as_json else memory.format_report(rep))
+
+
+def _estimate(args):
+    try:
+        rep = memory.report(args.params, args.world_size, args.zero, args.precision, args.offload_optimizer,
+                            args.offload_param)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _print_report(rep, args.json)
+    if not args.json:
+        est = memory.deepspeed_estimate(args.params, args.world_size, args.zero, args.offload_optimizer,
+                                        args.offload_param)
+        if est:
+            print(f"DeepSpeed's {est['function']}: {memory.human(est['device'])} per GPU, "
+                  f"{memory.human(est['host'])} per CPU (it also counts fp32 gradients and a 1.5x host buffer "
+                  "factor)")
+    return 0
+
+
+def _measure(args):
+    from dslab.launch import LaunchError
+
+    shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.layers),
+                                ("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size))
+             if v is not None}
+    if args.hidden_size is not None and args.intermediate_size is None:
+        shape.update(intermediate_size=zero.hidden_shape(args.hidden_size)["intermediate_size"])
+    if args.params is not None:
+        shape = zero.shape_for_params(args.params, **{k: v for k, v in shape.items() if k != "hidden_size"})
+    if args.model and shape:
+        print("error: give either --model PATH or shape options (--hidden-size, --layers, ...), not both",
+              file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json else sys.stdout  # keep stdout pure JSON
+    try:
+        with contextlib.redirect_stdout(out):
+            rep = zero.measure(args.zero, args.world_size, args.offload_optimizer, args.offload_param,
+                               model=args.model, shape=shape or None, steps=args.steps, timeout=args.timeout)
+    except (LaunchError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    _print_report(rep, args.json)
+    return 0
+
+
+def _add_setup_args(parser):
+    parser.add_argument("--zero", type=int, required=True, choices=[0, 1, 2, 3], help="ZeRO stage")
+    parser.add_argument("--world-size", type=int, default=2, help="number of data-parallel ranks N")
+    parser.add_argument("--offload-optimizer", action="store_true", help="optimizer states to CPU (stages 1-3)")
+    parser.add_argument("--offload-param", action="store_true", help="parameters to CPU (stage 3)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _add_memory_commands(subparsers):
+    est = subparsers.add_parser("estimate", help="ZeRO model-state bytes per rank from the paper's formulas")
+    est.add_argument("--params", type=float, required=True, help="number of parameters Ψ (1.5e9 works)")
+    _add_setup_args(est)
+    est.add_argument("--precision", default="bf16", choices=list(memory.BYTES_PER_PARAM))
+    est.set_defaults(func=_estimate)
+
+    mea = subparsers.add_parser("measure", help="run N real ranks and measure each rank's model-state bytes")
+    _add_setup_args(mea)
+    mea.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (default: a "
+                     "randomly initialised dslab-tiny shape)")
+    mea.add_argument("--hidden-size", type=int, default=None, help="model shape: hidden size")
+    mea.add_argument("--layers", type=int, default=None, help="model shape: number of layers")
+    mea.add_argument("--vocab-size", type=int, default=None, help="model shape: vocabulary size")
+    mea.add_argument("--intermediate-size", type=int, default=None, help="model shape: MLP width "
+                     "(default ~8/3 x hidden)")
+    mea.add_argument("--params", type=float, default=None, help="pick a hidden size for about this many "
+                     "parameters")
+    mea.add_argument("--steps", type=int, default=2, help="optimizer steps before the snapshot (>= 2)")
+    mea.add_argument("--timeout", type=float, default=900, help="stop all ranks after this many seconds")
+    mea.set_defaults(func=_measure)

@@ -1,0 +1,131 @@
+"""Chapter 02 (mixed precision): fp16 fates, DeepSpeed's loss scale, bf16 rounding, an AMP step, a bf16 config.
+
+Solutions: notebooks/solutions/02_solutions.py."""
+import functools
+
+from dslab.exercises import Mistake, exercise, same
+from dslab.loss_scaling import reference_amp_clip_step, run_amp_step, same_weights
+from dslab.precision import FP16_FATE_VALUES, cast, fate
+
+
+@exercise("02.fp16_fates", wrong=(["overflow", "underflow", "underflow", "exact"],
+                                  ["rounded", "underflow", "subnormal", "rounded"],
+                                  ["overflow", "subnormal", "subnormal", "exact"]),
+          hint="compare each value with fp16's max (65504), smallest subnormal (6e-8: below half of it is 0), "
+               "smallest normal (6.1e-5) and eps (2^-10): answer a list of 'overflow', 'underflow', "
+               "'subnormal', 'rounded' or 'exact'; dslab.precision.fate(value, 'fp16') tells you after.")
+def _check_fp16_fates(answer):
+    return same(list(answer), [fate(v, "fp16") for v in FP16_FATE_VALUES])
+
+
+# The scale after the last step. tests/test_precision.py replays the flags through DeepSpeed's own
+# scaler and checks this number (the checker itself stays free of a process group).
+DS_SCALE_ANSWER = 2048.0
+
+
+# 1024 is what ignoring hysteresis gives, 4096 what counting the window the way torch's GradScaler does gives.
+@exercise("02.deepspeed_scale", wrong=(1024.0, 4096.0, 512.0, 8192.0),
+          hint="start at 2**initial_scale_power; with hysteresis 2 the first overflow only uses up one unit of "
+               "hysteresis (the step is still skipped), later ones halve the scale; the scale doubles once "
+               "the steps since the last overflow (not counting the step itself) reach loss_scale_window, "
+               "and that refills the hysteresis.")
+def _check_deepspeed_scale(answer):
+    return same(answer, DS_SCALE_ANSWER)
+
+
+@exercise("02.bf16_min_update", wrong=(2.0**-8, 2.0**-10, 2.0**-23, 1e-3),
+          hint="bf16 keeps 7 mantissa bits; an update of exactly half the gap between 1.0 and the next bf16 "
+               "value rounds back to 1.0 (ties go to the even neighbour). Check with dslab.precision.cast.")
+def _check_bf16_min_update(answer):
+    kept = next(2.0**-n for n in range(30, -1, -1) if cast(1.0 + 2.0**-n, "bf16") != 1.0)
+    return same(answer, kept, rel=1e-9)
+
+
+# 02.amp_clip: the learner writes one fp16 training step with a GradScaler and gradient clipping;
+# the checker runs it for 4 steps on amp_problem and compares the weights with the reference step's.
+_no_scaler_step = functools.partial(reference_amp_clip_step, scale=False)
+_clip_scaled_step = functools.partial(reference_amp_clip_step, unscale_first=False)
+_unclipped_step = functools.partial(reference_amp_clip_step, clip=False)
+_no_update_step = functools.partial(reference_amp_clip_step, update=False)
+
+
+@exercise("02.amp_clip", wrong=(_no_scaler_step, _clip_scaled_step, _unclipped_step, _no_update_step),
+          hint="write step(model, optimizer, scaler, x, y, max_norm): zero_grad; forward and loss under "
+               "torch.autocast('cpu', dtype=torch.float16); scaler.scale(loss).backward(); scaler.unscale_"
+               "(optimizer); clip_grad_norm_(model.parameters(), max_norm); scaler.step(optimizer); scaler.update().")
+def _check_amp_clip(step_fn):
+    if not callable(step_fn):
+        raise Mistake("answer with the function itself: answer = my_amp_step")
+    try:
+        got = run_amp_step(step_fn)
+    except RuntimeError as exc:
+        if "update()" in str(exc) or "after step()" in str(exc):
+            raise Mistake("the scaler refused the second step: call scaler.update() at the end of every step "
+                          "(it also halves or grows the scale)") from None
+        raise Mistake(f"your step raised {type(exc).__name__}: {exc}") from None
+    want = run_amp_step(reference_amp_clip_step)["weights"]
+    if same_weights(got["weights"], want):
+        return True
+    if not got["moved"]:
+        if got["grad_zero"] == 1.0:
+            raise Mistake("every gradient was 0 and no weight moved: fp16 flushed the tiny gradients. Multiply "
+                          "the loss by the scale before backward: scaler.scale(loss).backward()")
+        raise Mistake("no weight moved: the optimizer never stepped. Call scaler.step(optimizer) (it unscales "
+                      "the gradients and skips the step only if one is inf/nan)")
+    if same_weights(got["weights"], run_amp_step(_clip_scaled_step)["weights"]):
+        raise Mistake("you clipped the gradients while they were still multiplied by the loss scale (2**16), so "
+                      "the clipping cut them 65536x too much: call scaler.unscale_(optimizer) before clip_grad_norm_")
+    if same_weights(got["weights"], run_amp_step(_unclipped_step)["weights"]):
+        raise Mistake("the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                      "max_norm) between scaler.unscale_(optimizer) and scaler.step(optimizer)")
+    if same_weights(got["weights"], run_amp_step(_no_scaler_step)["weights"]):
+        raise Mistake("no loss scaling: fp16 flushed the gradients to 0. Use scaler.scale(loss).backward()")
+    raise Mistake("after 4 steps your weights differ from the reference step's: check the order zero_grad, "
+                  "autocast forward, scaler.scale(loss).backward(), unscale_, clip, scaler.step, scaler.update")
+
+
+# 02.bf16_config: the learner writes a whole DeepSpeed config for this chapter's 2-rank bf16 run.
+BF16_CONFIG_TASK = {"world_size": 2, "zero_stage": 1, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3}
+
+
+def _config_with(**changes):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+    cfg.update(changes)
+    return cfg
+
+
+@exercise("02.bf16_config",
+          wrong=(_config_with(fp16={"enabled": True}),                                  # both 16-bit formats
+                 _config_with(train_micro_batch_size_per_gpu="4"),                      # a number as a string
+                 _config_with(bf16={"enabled": False}),                                 # trains in fp32
+                 _config_with(train_batch_size=4),                                      # the triple ignores the ranks
+                 _config_with(zero_optimization={"stage": 2}),
+                 _config_with(bfloat16={"enabled": True}, bf16=None)),
+          hint="a dict with bf16 on, ZeRO stage 1, micro batch 4 per rank on 2 ranks without accumulation, "
+               "and an AdamW optimizer with lr 1e-3; dslab.config_check.check_config(cfg, world_size=2) lists "
+               "problems.")
+def _check_bf16_config(cfg):
+    from dslab import config_check
+    if not isinstance(cfg, dict):
+        raise Mistake(f"a DeepSpeed config is a dict (the JSON object), got {type(cfg).__name__}")
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    problems = config_check.check_config(cfg, world_size=BF16_CONFIG_TASK["world_size"], device="cpu")
+    if problems:
+        raise Mistake(str(problems[0]))
+    if not (cfg.get("bf16") or {}).get("enabled"):
+        raise Mistake('bf16 is not enabled, so this config trains in fp32: add "bf16": {"enabled": true}')
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage != BF16_CONFIG_TASK["zero_stage"]:
+        raise Mistake(f"zero_optimization.stage is {stage}; this run partitions only the optimizer states "
+                      "(fp32 master weights and Adam's moments): stage 1")
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    if micro != BF16_CONFIG_TASK["micro_batch_size"]:
+        raise Mistake(f"train_micro_batch_size_per_gpu is {micro}; each rank takes 4 sequences per micro-step")
+    if cfg.get("gradient_accumulation_steps", 1) != 1:
+        raise Mistake("this run does not accumulate: gradient_accumulation_steps 1 (or leave it out)")
+    opt = cfg.get("optimizer") or {}
+    if str(opt.get("type", "")).lower() != "adamw" or (opt.get("params") or {}).get("lr") != BF16_CONFIG_TASK["lr"]:
+        raise Mistake('the optimizer should be {"type": "AdamW", "params": {"lr": 1e-3, ...}}')
+    return True

@@ -1,0 +1,91 @@
+"""Chapter 05 (LoRA SFT): trainable parameters, checkpointing cost, and the prompt mask of a chat.
+
+Solutions: notebooks/solutions/05_solutions.py."""
+from dslab.data import IGNORE_INDEX
+from dslab.exercises import Mistake, exercise, expect
+from dslab.sft import DEFAULT_AUTHOR, DEFAULT_NAME, load_chats
+
+# A few wrong label-masking functions a learner writes (the checker must name each mistake).
+def _reference_parts(tokenizer, messages):
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer.encode(prompt, add_special_tokens=False), tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+
+
+def _unmasked(tokenizer, messages):
+    prompt_ids, answer_ids = _reference_parts(tokenizer, messages)
+    return {"input_ids": prompt_ids + answer_ids, "labels": prompt_ids + answer_ids}
+
+
+def _shifted(tokenizer, messages):
+    prompt_ids, answer_ids = _reference_parts(tokenizer, messages)
+    ids = prompt_ids + answer_ids
+    labels = [IGNORE_INDEX] * len(prompt_ids) + answer_ids
+    return {"input_ids": ids, "labels": labels[1:] + [IGNORE_INDEX]}
+
+
+def _end_masked(tokenizer, messages):
+    prompt_ids, answer_ids = _reference_parts(tokenizer, messages)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    labels = [IGNORE_INDEX] * len(prompt_ids) + [IGNORE_INDEX if t == end else t for t in answer_ids]
+    return {"input_ids": prompt_ids + answer_ids, "labels": labels}
+
+
+def _all_masked(tokenizer, messages):
+    prompt_ids, answer_ids = _reference_parts(tokenizer, messages)
+    return {"input_ids": prompt_ids + answer_ids, "labels": [IGNORE_INDEX] * (len(prompt_ids) + len(answer_ids))}
+
+
+def check_mask_prompt(mask_prompt, tokenizer=None):
+    """Run the learner's `mask_prompt(tokenizer, messages)` on real chats (en and zh) and name what is wrong."""
+    from dslab import data, models
+    tokenizer = tokenizer or models.load_tokenizer()
+    chats = [c["messages"] for c in load_chats(None, DEFAULT_NAME, DEFAULT_AUTHOR, mix_general=0)]
+    chats = [next(c for c in chats if c[0]["content"].isascii()), next(c for c in chats if not c[0]["content"].isascii())]
+    for messages in chats:
+        out = mask_prompt(tokenizer, messages)
+        if not isinstance(out, dict) or not {"input_ids", "labels"} <= set(out):
+            raise Mistake("return a dict {'input_ids': [...], 'labels': [...]}")
+        ids, labels = [int(t) for t in out["input_ids"]], [int(t) for t in out["labels"]]
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        answer = messages[-1]["content"] + "<|im_end|>"
+        if len(ids) != len(labels):
+            raise Mistake(f"input_ids has {len(ids)} tokens but labels {len(labels)}: one label per input token")
+        if tokenizer.decode(ids) != full:
+            raise Mistake("input_ids do not spell the chat as its template renders it: tokenize the text of "
+                          "tokenizer.apply_chat_template(messages, tokenize=False)")
+        if any(lab not in (data.IGNORE_INDEX, tok) for lab, tok in zip(labels, ids)):
+            if all(lab in (data.IGNORE_INDEX, tok) for lab, tok in zip(labels[:-1], ids[1:])):
+                raise Mistake("the labels are shifted by one token: give each position its own id; the model "
+                              "shifts them itself (the logits at t are scored against the label at t + 1)")
+            raise Mistake("a label must be -100 or the input id at the same position")
+        learned = tokenizer.decode([tok for tok, lab in zip(ids, labels) if lab != data.IGNORE_INDEX])
+        if not learned:
+            raise Mistake("no token carries a label, so the loss has nothing to learn: keep the answer's ids")
+        if learned.startswith(prompt[:12]) or "<|im_start|>" in learned:
+            raise Mistake("prompt tokens carry labels: set them to -100 so the model learns to answer, "
+                          "not to predict the question and the template")
+        if "<|im_end|>" not in learned and learned.strip() == messages[-1]["content"].strip():
+            raise Mistake("the end-of-turn token <|im_end|> is masked: label it too, or the model never learns "
+                          "to stop after its answer")
+        if learned.startswith(answer) and learned != answer:
+            raise Mistake("what follows <|im_end|> (the template's newline) carries a label: mask it, it is "
+                          "template, not answer")
+        if learned != answer:
+            raise Mistake(f"the labelled tokens spell {learned!r}; expected the answer and its end token, {answer!r}")
+    return True
+
+
+# dslab-tiny: 4 layers, hidden 256, 4 heads of 64, 2 KV heads -> q_proj 256->256, v_proj 256->128.
+# r=8 on q_proj and v_proj: 4 x (8 x (256 + 256) + 8 x (256 + 128)).
+expect("05.lora_params", 28672, wrong=(7168, 32768, 16384, 2 * 4 * 256 * 256),
+       hint="a LoRA on a d_in -> d_out layer adds A (r x d_in) and B (d_out x r): r (d_in + d_out) "
+            "parameters. v_proj maps 256 -> 2 KV heads x 64 = 128. Sum over both layers and all 4 blocks.")
+# Checkpointing every layer: each runs once in forward and once more (recomputed) in backward.
+expect("05.ckpt_forwards", 48, wrong=(24, 25, 72, 96),
+       hint="without checkpointing each of the 24 layers runs forward once per step; with it, backward "
+            "re-runs each layer's forward to rebuild the activations it did not keep.")
+exercise("05.mask_prompt", hint="return {'input_ids': [...], 'labels': [...]} for the chat: -100 on every "
+                                "prompt token, the answer's own ids (and its <|im_end|>) as labels.",
+         wrong=(_unmasked, _shifted, _end_masked, _all_masked))(check_mask_prompt)

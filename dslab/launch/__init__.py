@@ -1,0 +1,126 @@
+"""Starting processes, in one place: a script or a dslab recipe on N ranks through the real `deepspeed` launcher
+(`run`) or through `torchrun` (`torchrun`), launcher command lines run as typed, one per node (`run_commands`),
+and any other command (`sh`). Every launch follows one path: its output is shown as it comes, under each rank,
+the first failing rank is named with its traceback, every process is stopped at the end, and the ranks' results
+are collected. Whatever is started stops when the process that started it dies, even by SIGKILL.
+
+    machine.py    free ports, GPUs, this environment's tools, /dev/shm buffers of finished jobs
+    guard.py      children die with their owner: the parent-death signal and the guard process (dslab.live too)
+    supervise.py  start, follow, stop, name the failing rank, collect (run_job, LaunchResult, LaunchError)
+    commands.py   command lines as typed (run_commands) and sh
+    __init__.py   run and torchrun of a dslab recipe or a script
+"""
+import json
+import os
+import shlex
+from pathlib import Path
+
+from dslab.launch.commands import run_commands, sh
+from dslab.launch.machine import free_port, gpu_count, port_is_free, remove_shm_buffers, remove_stale_shm_buffers, tool
+from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_dir, rank_environment, run_job,
+                                    shower)
+
+__all__ = ["RECIPES_DIR", "NOISE", "LaunchError", "LaunchResult", "build_command", "check_environment",
+           "display_command", "encode_value", "free_port", "gpu_count", "port_is_free", "recipe_module",
+           "remove_shm_buffers", "remove_stale_shm_buffers", "run", "run_commands", "sh", "torchrun"]
+
+RECIPES_DIR = Path(__file__).parent.parent / "recipes"
+
+
+def recipe_module(name):
+    """"dslab.recipes.NAME" if `name` is one of dslab's recipes (dslab/recipes/NAME.py), else None."""
+    return f"dslab.recipes.{name}" if (RECIPES_DIR / f"{name}.py").exists() else None
+
+
+def encode_value(value):
+    """A Python value as one command-line word for dslab.dist.recipe_args: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _recipe_args(recipe_kwargs):
+    return [word for key, value in recipe_kwargs.items() for word in (f"--{key}", encode_value(value))]
+
+
+def build_command(recipe, world_size, master_port, log_dir, include=None, args=()):
+    """The argv of a `deepspeed` launch of `recipe` (a dslab.recipes name or a script path)."""
+    cmd = [tool("deepspeed")]
+    if include:
+        cmd += ["--include", include]  # the launcher's way to choose GPUs (not CUDA_VISIBLE_DEVICES)
+    else:
+        cmd += ["--num_gpus", str(world_size)]
+    cmd += ["--master_port", str(master_port), "--enable_each_rank_log", str(log_dir), "--no_local_rank"]
+    module = recipe_module(recipe)
+    if module:
+        cmd += ["--module", module]
+    else:
+        script = Path(recipe)
+        if not script.is_file():
+            known = sorted(p.stem for p in RECIPES_DIR.glob("[!_]*.py"))
+            raise LaunchError(f"{recipe!r} is neither a dslab recipe ({', '.join(known)}) nor a script file")
+        cmd.append(str(script))
+    return cmd + list(args)
+
+
+def display_command(cmd):
+    """The command as a learner would type it (launcher name instead of its full path)."""
+    return shlex.join(["deepspeed"] + cmd[1:])
+
+
+def check_environment(world_size, include):
+    """Raise LaunchError, with the fix, for a job the deepspeed launcher would start wrongly on this machine."""
+    if world_size < 1:
+        raise LaunchError(f"world_size must be at least 1, got {world_size}")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") and not include and gpu_count():
+        raise LaunchError(
+            "CUDA_VISIBLE_DEVICES is set, but the deepspeed launcher chooses GPUs itself and overrides it. "
+            "Unset it and pass include='localhost:0,1' (CLI: --include localhost:0,1) to pick GPUs."
+        )
+    gpus = gpu_count()
+    if gpus and not include and world_size > gpus:
+        raise LaunchError(f"world_size={world_size} but only {gpus} GPU(s) are visible; use world_size<={gpus}")
+
+
+def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
+        script_args=(), **recipe_kwargs):
+    """Run `recipe` on `world_size` ranks with the deepspeed launcher and return a LaunchResult.
+
+    stream: None/"recipe" echoes what the ranks print (DeepSpeed's own log lines hidden), "all" echoes
+    everything, False echoes nothing. recipe_kwargs become `--key value` arguments (JSON-encoded);
+    script_args are passed through verbatim. Raises LaunchError, with the failing rank's traceback, on failure.
+    """
+    check_environment(world_size, include)
+    remove_stale_shm_buffers()
+    name = Path(recipe).stem
+    dirs = fresh_run_dir(name, run_dir)
+    port = free_port(master_port)
+    if master_port and port != master_port:
+        print(f"master port {master_port} is in use; using {port} instead")
+    cmd = build_command(recipe, world_size, port, dirs.logs, include, list(script_args) + _recipe_args(recipe_kwargs))
+    print("$ " + display_command(cmd), flush=True)
+    env = rank_environment(world_size, dirs.results.resolve())
+    return run_job(name, [cmd], [env], dirs, world_size, shower(stream, prefix=world_size > 1), timeout, command=cmd)
+
+
+def torchrun(recipe, world_size=2, timeout=300, stream=None, run_dir=None, **recipe_kwargs):
+    """Run a dslab recipe with `torchrun` instead of the deepspeed launcher; returns a LaunchResult.
+
+    Same recipes, same results: only the launcher (and so the environment each rank gets) changes. The command
+    runs as printed, so what the ranks print is shown as torchrun passes it on, without rank prefixes.
+    """
+    module = recipe_module(recipe)
+    if module is None:
+        raise LaunchError(f"{recipe!r} is not a dslab recipe")
+    if world_size < 1:
+        raise LaunchError(f"world_size must be at least 1, got {world_size}")
+    remove_stale_shm_buffers()
+    name = f"{recipe}-torchrun"
+    dirs = fresh_run_dir(name, run_dir)
+    cmd = [tool("torchrun"), "--nproc_per_node", str(world_size), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", module, *_recipe_args(recipe_kwargs)]
+    print("$ " + shlex.join(["torchrun"] + cmd[1:]), flush=True)
+    env = rank_environment(world_size, dirs.results.resolve())
+
+    def line_rank(node, line):  # no --tee: the ranks' lines arrive unmarked on torchrun's own output
+        return (None, line) if line.strip() else None
+
+    return run_job(name, [cmd], [env], dirs, world_size, shower(stream), timeout, line_rank, command=cmd)

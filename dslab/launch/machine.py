@@ -1,0 +1,80 @@
+"""What this machine offers a job: free ports, GPUs, this environment's tools, and the /dev/shm buffers that
+finished jobs leave behind."""
+import glob
+import os
+import re
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+# DeepSpeed's CPU backend maps a ~70 MB file per rank in /dev/shm, named after the master port and the rank, and
+# never unlinks it.
+SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"
+
+
+def port_is_free(port, host="127.0.0.1"):
+    """True if nothing listens on host:port (the rendezvous store needs it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(preferred=None):
+    """`preferred` if it is free, else a port the kernel says is unused."""
+    if preferred and port_is_free(preferred):
+        return preferred
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_count():
+    """CUDA devices this process can see (0 without torch or without GPUs)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def remove_stale_shm_buffers():
+    """Delete the shared-memory all-reduce buffers that finished jobs left in /dev/shm.
+
+    A day of runs would otherwise fill /dev/shm (RAM) until jobs die. A buffer whose port nobody listens on any
+    more belongs to a job that has ended (the rendezvous store holds the port while a job runs), so it is safe
+    to remove.
+    """
+    for path in glob.glob(SHM_BUFFER_PREFIX + "*"):
+        match = re.search(r"_(\d+)_\d+$", path)
+        if match and port_is_free(int(match.group(1))):
+            _unlink(path)
+
+
+def remove_shm_buffers(master_port):
+    """Delete the buffers of the job that met on `master_port` (its ranks are gone), then any other stale ones."""
+    for path in glob.glob(f"{SHM_BUFFER_PREFIX}*_{master_port}_*"):
+        _unlink(path)
+    remove_stale_shm_buffers()
+
+
+# This environment's scripts (deepspeed, torchrun, dslab) sit beside its interpreter: the ranks they start use the
+# same Python and packages.
+TOOLS_DIR = Path(sys.executable).parent
+
+
+def tool(name):
+    """This environment's command `name` (deepspeed, torchrun, ...) if it is there, else what PATH finds."""
+    local = TOOLS_DIR / name
+    return str(local) if local.exists() else (shutil.which(name) or name)

@@ -1,0 +1,163 @@
+"""docs/architecture.md names only modules and functions that exist, and dslab's imports go one way: no cycle,
+nothing imports the command line or a recipe. Everything is read with ast: nothing of dslab is imported."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dslab"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def package_modules(package=PACKAGE):
+    """{'dslab.x.y': path} for every module of the package; a subpackage is its __init__.py."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _known_prefix(name, known):
+    """The longest prefix of a dotted name that is a module: dslab.launch.free_port -> dslab.launch."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports_of(name, path, known):
+    """The dslab modules that module `name` imports, at the top or inside functions (a lazy import still ties
+    the two modules together). `from pkg import submodule` is an edge to the submodule, not to pkg."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [_known_prefix(alias.name, known) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from ..y import z
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else _known_prefix(base, known)
+                       for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t and t != name)
+    return found
+
+
+def import_graph(package=PACKAGE):
+    known = package_modules(package)
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(graph):
+    """Every import cycle (each as a list of modules, the first repeated at the end), found by depth-first search."""
+    found, state = [], {}  # state: 1 = on the current path, 2 = finished
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+GRAPH = import_graph()
+
+
+def test_the_import_graph_sees_the_package():
+    assert {"dslab.cli", "dslab.models", "dslab.launch", "dslab.live"} <= set(GRAPH)
+    assert "dslab.models" in GRAPH["dslab.live"] | GRAPH["dslab.sft"] | GRAPH["dslab.zero"] | GRAPH["dslab.lora"]
+
+
+def test_dslab_imports_have_no_cycle():
+    found = cycles(GRAPH)
+    assert not found, "import cycles (lazy imports count too):\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_nothing_imports_the_command_line_or_a_recipe():
+    wrong = [f"{name} imports {target}" for name, targets in GRAPH.items() for target in sorted(targets)
+             if (target.startswith("dslab.cli") and not name.startswith("dslab.cli"))
+             or target.startswith("dslab.recipes")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cycle_finder_finds_cycles_and_relative_imports(tmp_path):
+    pkg = tmp_path / "dslab"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from dslab import b\n")
+    (pkg / "b.py").write_text("def f():\n    from dslab.sub.c import g\n")  # a lazy import counts
+    (pkg / "sub" / "__init__.py").write_text("from . import c\n")
+    (pkg / "sub" / "c.py").write_text("from ..a import x\nimport os\n")
+    graph = import_graph(pkg)
+    assert graph["dslab.sub"] == {"dslab.sub.c"} and graph["dslab.sub.c"] == {"dslab.a"}
+    assert cycles(graph) == [["dslab.a", "dslab.b", "dslab.sub.c", "dslab.a"]]
+    (pkg / "sub" / "c.py").write_text("import os\n")
+    assert cycles(import_graph(pkg)) == []
+
+
+# --------------------------------------------------------------------------- the page names what exists
+
+def _top_level_names(path):
+    """Names a module defines or imports at its top level (what `module.name` can reach without running it)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def _code_spans():
+    return re.findall(r"`([^`]+)`", DOC.read_text(encoding="utf-8"))
+
+
+def test_every_path_on_the_page_exists():
+    paths = {p for span in _code_spans() for p in re.findall(r"\b(?:dslab|tools|docs|tests)/[\w/.*-]*", span)}
+    assert {"dslab/cli/__init__.py", "tools/slides.py"} <= paths
+    missing = [p for p in sorted(paths) if not (list(ROOT.glob(p)) if "*" in p else (ROOT / p).exists())]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_every_module_and_function_on_the_page_exists():
+    """`dslab.x.f`, and `x.f` where dslab.x is a module (`launch.run`, `live.start`), name something real."""
+    known = package_modules()
+    names = set()
+    for span in _code_spans():
+        names.update(re.findall(r"\bdslab(?:\.\w+)+", span))
+        names.update(f"dslab.{m}" for m in re.findall(r"(?<![\w./])([a-z_]+\.[A-Za-z_]\w*)", span)
+                     if f"dslab.{m.split('.')[0]}" in known)
+    assert len(names) > 10
+    missing = []
+    for name in sorted(names):
+        module = _known_prefix(name, known)
+        rest = name[len(module) + 1:].split(".") if name != module else []
+        if not module or module == "dslab" and rest:
+            missing.append(f"{name}: no such module")
+        elif rest and rest[0] not in _top_level_names(known[module]):
+            missing.append(f"{name}: {module} has no {rest[0]}")
+    assert not missing, "docs/architecture.md names what does not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("entry", ["dslab.config.make_config", "dslab.engine_memory.measure_engine",
+                                   "dslab.memory.theory", "dslab.zero.run", "dslab.live.start"])
+def test_the_page_answers_where_a_zero_stage_lives(entry):
+    """The questions the page exists for are still answered on it."""
+    text = DOC.read_text(encoding="utf-8")
+    module, _, func = entry.rpartition(".")
+    assert entry in text or f"{module.split('.')[-1]}.{func}" in text
