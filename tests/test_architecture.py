@@ -161,3 +161,61 @@ def test_the_page_answers_where_a_zero_stage_lives(entry):
     text = DOC.read_text(encoding="utf-8")
     module, _, func = entry.rpartition(".")
     assert entry in text or f"{module.split('.')[-1]}.{func}" in text
+
+
+def _module_names_bound_in(tree, known):
+    """Local names a module binds to dslab modules: `from dslab import launch` -> {"launch": "dslab.launch"}."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in known:
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in known:
+                    bound[alias.asname] = alias.name
+    return bound
+
+
+def private_uses(name, path, known):
+    """`module._name` or `from module import _name` in module `name`, where module is another dslab module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    bound = _module_names_bound_in(tree, known)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in known and node.module != name:
+            found += [f"from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+              and bound[node.value.id] != name and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    known = package_modules()
+    offenders = {name: uses for name, path in known.items() if (uses := private_uses(name, path, known))}
+    assert not offenders, f"make these public (with a docstring) or move them: {offenders}"
+
+
+def test_the_private_name_finder_finds_both_forms(tmp_path):
+    pkg = tmp_path / "dslab"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _helper():\n    pass\n")
+    (pkg / "b.py").write_text("from dslab import a\nfrom dslab.a import _helper\na._helper()\na.__name__\n")
+    known = package_modules(pkg)
+    assert private_uses("dslab.b", pkg / "b.py", known) == ["from dslab.a import _helper", "a._helper"]
+
+
+def test_argparse_lives_in_the_command_line_only():
+    users = [name for name, path in package_modules().items()
+             if re.search(r"^\s*(import argparse|from argparse import)", path.read_text(encoding="utf-8"), re.M)]
+    assert users and all(name == "dslab.cli" or name.startswith("dslab.cli.") for name in users), users
+
+
+def test_every_module_reads_in_one_sitting():
+    long = {name: n for name, path in package_modules().items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 500}
+    assert not long, f"split these by concept: {long}"
