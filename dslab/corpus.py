@@ -86,30 +86,47 @@ def en_story(r):
     return " ".join(keep)
 
 
-def en_facts(r):
-    """A paragraph of simple true statements."""
+def _facts(r, say, join):
+    """A paragraph of 3-6 simple true statements, each drawn the same way in every language; `say[kind]` words it."""
     facts = []
     for _ in range(r.randint(3, 6)):
         kind = r.randrange(6)
         if kind == 0:
-            c = r.choice(CAPITALS)
-            facts.append(f"The capital of {c[0]} is {c[1]}.")
+            facts.append(say["capital"](r.choice(CAPITALS)))
         elif kind == 1:
-            c = r.choice(COLORS)
-            facts.append(f"The {c[0]} is {c[1]}." if c[0] in ("sky", "sea") else f"{_cap(_a(c[0]))} is {c[1]}.")
+            facts.append(say["color"](r.choice(COLORS)))
         elif kind == 2:
-            a = r.choice(LEGS)
-            facts.append(f"{_cap(_a(a[0]))} has {NUMBER_WORDS[a[1]]} legs." if a[1] else f"{_cap(_a(a[0]))} has no legs.")
+            facts.append(say["legs"](r.choice(LEGS)))
         elif kind == 3:
-            o = r.choice(OPPOSITES)
-            facts.append(f"The opposite of {o[0]} is {o[1]}.")
+            facts.append(say["opposite"](r.choice(OPPOSITES)))
         elif kind == 4:
-            i = r.randrange(7)
-            facts.append(f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}.")
+            facts.append(say["weekday"](r.randrange(7)))
         else:
-            a, b = r.randint(0, 9), r.randint(0, 9)
-            facts.append(f"{_cap(NUMBER_WORDS[a])} plus {NUMBER_WORDS[b]} is {a + b}.")
-    return " ".join(facts)
+            facts.append(say["sum"](r.randint(0, 9), r.randint(0, 9)))
+    return join.join(facts)
+
+
+EN_FACTS = {
+    "capital": lambda c: f"The capital of {c[0]} is {c[1]}.",
+    "color": lambda c: f"The {c[0]} is {c[1]}." if c[0] in ("sky", "sea") else f"{_cap(_a(c[0]))} is {c[1]}.",
+    "legs": lambda a: f"{_cap(_a(a[0]))} has {NUMBER_WORDS[a[1]]} legs." if a[1] else f"{_cap(_a(a[0]))} has no legs.",
+    "opposite": lambda o: f"The opposite of {o[0]} is {o[1]}.",
+    "weekday": lambda i: f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}.",
+    "sum": lambda a, b: f"{_cap(NUMBER_WORDS[a])} plus {NUMBER_WORDS[b]} is {a + b}.",
+}
+ZH_FACTS = {
+    "capital": lambda c: f"{c[2]}的首都是{c[3]}。",
+    "color": lambda c: f"{c[2]}是{c[3]}的。",
+    "legs": lambda a: f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。",
+    "opposite": lambda o: f"{o[2]}的反义词是{o[3]}。",
+    "weekday": lambda i: f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。",
+    "sum": lambda a, b: f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。",
+}
+
+
+def en_facts(r):
+    """A paragraph of simple true statements."""
+    return _facts(r, EN_FACTS, " ")
 
 
 def en_turn(r):
@@ -242,28 +259,7 @@ def zh_story(r):
 
 def zh_facts(r):
     """A paragraph of simple true statements in Chinese."""
-    facts = []
-    for _ in range(r.randint(3, 6)):
-        kind = r.randrange(6)
-        if kind == 0:
-            c = r.choice(CAPITALS)
-            facts.append(f"{c[2]}的首都是{c[3]}。")
-        elif kind == 1:
-            c = r.choice(COLORS)
-            facts.append(f"{c[2]}是{c[3]}的。")
-        elif kind == 2:
-            a = r.choice(LEGS)
-            facts.append(f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。")
-        elif kind == 3:
-            o = r.choice(OPPOSITES)
-            facts.append(f"{o[2]}的反义词是{o[3]}。")
-        elif kind == 4:
-            i = r.randrange(7)
-            facts.append(f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。")
-        else:
-            a, b = r.randint(0, 9), r.randint(0, 9)
-            facts.append(f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。")
-    return "".join(facts)
+    return _facts(r, ZH_FACTS, "")
 
 
 def zh_turn(r):
