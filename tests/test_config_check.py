@@ -25,6 +25,16 @@ def good(precision="bf16", **changes):
     return C.deep_merge(cfg, changes)
 
 
+def with_value(cfg, key, value):
+    """`cfg` with the dotted `key` (zero_optimization.stage) set to `value`."""
+    *parents, last = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    node[last] = value
+    return cfg
+
+
 def keys_of(problems):
     return [p.key for p in problems]
 
@@ -82,12 +92,7 @@ def test_auto_outside_the_hf_trainer():
     ("zero_optimization.overlap_comm", "true", "true"),
 ])
 def test_numbers_and_booleans_written_as_strings(key, value, fixed):
-    cfg = good()
-    *parents, last = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    node[last] = value
+    cfg = with_value(good(), key, value)
     p = only_problem(CC.check_config(cfg, world_size=2), key)
     assert "written as a string" in p.problem and f"remove the quotes: {fixed}" == p.fix
 
@@ -199,12 +204,7 @@ def test_offload_devices():
     ("zero_optimization", [2], "JSON object"),
 ])
 def test_value_types(key, value, words):
-    cfg = good()
-    *parents, last = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    node[last] = value
+    cfg = with_value(good(), key, value)
     p = only_problem(CC.check_config(cfg, world_size=2), key)
     assert words in p.problem
 
