@@ -132,3 +132,9 @@ def pytest_sessionfinish(session, exitstatus):
     from dslab.launch import remove_stale_shm_buffers
 
     remove_stale_shm_buffers()
+
+
+@pytest.fixture
+def no_world_size_env(monkeypatch):
+    """No WORLD_SIZE from the environment the tests run in (config checks read it as the launch's world size)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -38,6 +38,43 @@ def _a(word):
     return ("an " if word[0] in "aeiou" else "a ") + word
 
 
+# The sentence and story templates are data (corpus_templates.json); a {field} the caller does not fix is a word
+# drawn from these lists, a fresh one each time it appears.
+TEMPLATES = json.loads(Path(__file__).with_name("corpus_templates.json").read_text(encoding="utf-8"))
+WORDS = {
+    "en": dict(name=EN_NAMES, place=EN_PLACES, time=EN_TIMES, city=EN_CITIES, job=EN_JOBS, adj=EN_ADJ, animal=EN_ANIMALS,
+               object=EN_OBJECTS, weather=EN_WEATHER, weather_now=EN_WEATHER_NOW, feeling=EN_FEELINGS, food=EN_FOODS),
+    "zh": dict(name=ZH_NAMES, place=ZH_PLACES, time=ZH_TIMES, city=ZH_CITIES, job=ZH_JOBS, adj=ZH_ADJ, animal=ZH_ANIMALS,
+               object=ZH_OBJECTS, weather=ZH_WEATHER, feeling=ZH_FEELINGS, food=ZH_FOODS),
+}
+
+
+class _Fields(dict):
+    """The fixed fields of a template; any other field draws a word. str.format_map looks fields up left to right,
+    so the draws come in the order they are written, and the corpus is the same for the same seed."""
+
+    def __init__(self, r, lang, fixed):
+        super().__init__(fixed)
+        self.r, self.words = r, WORDS[lang]
+
+    def __missing__(self, field):
+        word = self.r.choice(self.words[field.lower().removeprefix("a_")])
+        word = _a(word) if field.startswith("a_") else word
+        return _cap(word) if field[0].isupper() else word
+
+
+def _fill_all(r, lang, kind, **fixed):
+    """Every template of TEMPLATES[lang][kind] filled in order (the draws of all of them happen)."""
+    return [t.format_map(_Fields(r, lang, fixed)) for t in TEMPLATES[lang][kind]]
+
+
+def _story_lines(r, lang, **fixed):
+    """The lines of a story: opening(s), one to three of the middle events, the ending."""
+    lines = [r.choice([t.format_map(_Fields(r, lang, fixed)) for t in step]) if isinstance(step, list)
+             else step.format_map(_Fields(r, lang, fixed)) for step in TEMPLATES[lang]["story"]]
+    return [lines[0], lines[1]] + r.sample(lines[2:5], r.randint(1, 3)) + [lines[5]]
+
+
 # ----------------------------------------------------------------------------------------------------
 # English sentences, stories and chats
 # ----------------------------------------------------------------------------------------------------
@@ -50,23 +87,8 @@ def en_sentence(r, name=None):
     thing = {"food": f"{NUMBER_WORDS[n]} {r.choice(EN_FOODS)}" if verb == "bought" else f"some {r.choice(EN_FOODS)}",
              "obj": f"the {r.choice(EN_ADJ)} {r.choice(EN_OBJECTS)}",
              "animal": f"the {r.choice(EN_ADJ)} {r.choice(EN_ANIMALS)}"}[kind]
-    templates = [
-        f"{name} walked to the {r.choice(EN_PLACES)} {r.choice(EN_TIMES)}.",
-        f"{name} {verb} {thing} at the {r.choice(EN_PLACES)}.",
-        f"{_cap(r.choice(EN_TIMES))}, {name} {verb} {thing}.",
-        f"{name} and {other} visited {r.choice(EN_CITIES)} {r.choice(EN_TIMES)}.",
-        f"{name} lives in {r.choice(EN_CITIES)} and works as {_a(r.choice(EN_JOBS))}.",
-        f"The {r.choice(EN_ADJ)} {r.choice(EN_ANIMALS)} slept under the {r.choice(EN_OBJECTS)}.",
-        f"{name} gave {other} {_a(r.choice(EN_ADJ))} {r.choice(EN_OBJECTS)}.",
-        f"When {r.choice(EN_WEATHER)}, {name} stayed at home and read a book.",
-        f"{name} felt {r.choice(EN_FEELINGS)} after a long day at the {r.choice(EN_PLACES)}.",
-        f"There were {NUMBER_WORDS[n]} {r.choice(EN_ANIMALS)}s near the {r.choice(EN_PLACES)}.",
-        f"{name} wants to become {_a(r.choice(EN_JOBS))} one day.",
-        f"{name} wrote a letter to {other} from {r.choice(EN_CITIES)}.",
-        f"The {r.choice(EN_JOBS)} in the {r.choice(EN_PLACES)} was very {r.choice(EN_ADJ)}.",
-        f"{name} likes {r.choice(EN_FOODS)} more than {r.choice(EN_FOODS)}.",
-    ]
-    return r.choice(templates)
+    return r.choice(_fill_all(r, "en", "sentence", name=name, other=other, verb=verb, thing=thing,
+                              number=NUMBER_WORDS[n]))
 
 
 def en_story(r):
@@ -74,16 +96,9 @@ def en_story(r):
     name, friend = r.sample(EN_NAMES, 2)
     place, city = r.choice(EN_PLACES), r.choice(EN_CITIES)
     food, obj, animal = r.choice(EN_FOODS), r.choice(EN_OBJECTS), r.choice(EN_ANIMALS)
-    lines = [r.choice([f"{name} lives in {city}.", f"Once upon a time, {name} lived in {city}.",
-                       f"The weather today is {r.choice(EN_WEATHER_NOW)}, and {name} is in {city}."]),
-             f"{_cap(r.choice(EN_TIMES))}, {name} went to the {place} with {friend}.",
-             f"They saw {_a(r.choice(EN_ADJ))} {animal} near the {obj}.",
-             f"{friend} bought some {food}, and {name} carried the {obj}.",
-             f"Later {r.choice(EN_WEATHER)}, so they walked home.",
-             f"{name} felt {r.choice(EN_FEELINGS)}."]
-    keep = [lines[0], lines[1]] + r.sample(lines[2:5], r.randint(1, 3)) + [lines[5]]
-    keep += [en_sentence(r, name) for _ in range(r.randint(0, 2))]
-    return " ".join(keep)
+    lines = _story_lines(r, "en", name=name, friend=friend, place=place, city=city, food=food, object=obj,
+                         animal=animal)
+    return " ".join(lines + [en_sentence(r, name) for _ in range(r.randint(0, 2))])
 
 
 def _facts(r, say, join):
@@ -129,6 +144,92 @@ def en_facts(r):
     return _facts(r, EN_FACTS, " ")
 
 
+def _the(thing):
+    """The subject of an English colour question: "the sky" but "an apple"."""
+    return f"the {thing}" if thing in ("sky", "sea", "grass", "snow", "milk", "coal") else _a(thing)
+
+
+# How each language words the turns both languages have (drawn the same way by _shared_turn).
+EN_ASK = {
+    "capital": lambda c: [f"What is the capital of {c[0]}?", f"Which city is the capital of {c[0]}?",
+                          f"Tell me the capital of {c[0]}.", f"What's the capital city of {c[0]}?"],
+    "capital_answer": lambda c: f"The capital of {c[0]} is {c[1]}.",
+    "plus": lambda a, b: [f"What is {a} plus {b}?", f"How much is {a} + {b}?"],
+    "plus_answer": lambda a, b: f"{a} plus {b} is {a + b}.",
+    "minus": lambda a, b: (f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."),
+    "color": lambda c: (f"What color is {_the(c[0])}?", f"{_cap(_the(c[0]))} is {c[1]}."),
+    "legs": lambda a: (f"How many legs does {_a(a[0])} have?",
+                       f"{_cap(_a(a[0]))} has {a[1]} legs." if a[1] else f"{_cap(_a(a[0]))} has no legs."),
+    "opposite": lambda o: (f"What is the opposite of {o[0]}?", f"The opposite of {o[0]} is {o[1]}."),
+    "weekday": lambda i: (f"What day comes after {WEEKDAYS[i][0]}?",
+                          f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}."),
+    "word": lambda w: (f"How do you say {w[0]} in Chinese?", f"In Chinese, {w[0]} is {w[1]}."),
+    "rain": (["It is raining. What should I take?", "Will I need an umbrella today?"],
+             "Take an umbrella and wear a warm coat, so you stay dry."),
+    "hello": (["Hello!", "Hi there.", "Good morning!", "Hey, how are you?"],
+              ["Hello! How can I help you today?", "Hi! I am doing well. What would you like to talk about?",
+               "Good morning! What can I do for you?"]),
+    "thanks": (["Thank you.", "Thanks a lot!", "That was helpful, thanks."],
+               ["You are welcome.", "Glad I could help.", "Any time. Have a nice day!"]),
+    "story": lambda name: f"Tell me a short story about {name}.",
+    "friend": lambda name, city: (f"My friend {name} lives in {city}. Where does {name} live?",
+                                  f"{name} lives in {city}."),
+}
+ZH_ASK = {
+    "capital": lambda c: [f"{c[2]}的首都是哪里？", f"{c[2]}的首都是哪个城市？", f"请告诉我{c[2]}的首都。"],
+    "capital_answer": lambda c: f"{c[2]}的首都是{c[3]}。",
+    "plus": lambda a, b: [f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于几？", f"{a}+{b}等于多少？"],
+    "plus_answer": lambda a, b: f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。",
+    "minus": lambda a, b: (f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于几？", f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于{ZH_DIGITS[a - b]}。"),
+    "color": lambda c: (f"{c[2]}是什么颜色的？", f"{c[2]}是{c[3]}的。"),
+    "legs": lambda a: (f"{a[2]}有几条腿？", f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。"),
+    "opposite": lambda o: (f"{o[2]}的反义词是什么？", f"{o[2]}的反义词是{o[3]}。"),
+    "weekday": lambda i: (f"{WEEKDAYS[i][1]}之后是星期几？", f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。"),
+    "word": lambda w: (f"“{w[1]}”用英语怎么说？", f"“{w[1]}”的英文是 {w[0]}。"),
+    "rain": (["外面下雨了，我该带什么？", "今天需要带伞吗？"], "记得带上雨伞，再穿一件厚外套，别淋湿了。"),
+    "hello": (["你好！", "早上好！", "嗨，你好吗？"], ["你好！有什么可以帮你的吗？", "我很好，谢谢！你想聊些什么？", "早上好！今天我能为你做些什么？"]),
+    "thanks": (["谢谢你。", "太感谢了！", "很有帮助，谢谢。"], ["不客气。", "很高兴能帮到你。", "不用谢，祝你愉快！"]),
+    "story": lambda name: f"给我讲一个关于{name}的小故事。",
+    "friend": lambda name, city: (f"我的朋友{name}住在{city}。{name}住在哪里？", f"{name}住在{city}。"),
+}
+# The kinds of everyday turn, in the order en_turn / zh_turn number them.
+EN_TURNS = ("capital", "arithmetic", "color", "legs", "sound", "opposite", "weekday", "word", "food", "rain",
+            "weekend", "hello", "thanks", "story", "animal", "friend")
+ZH_TURNS = ("capital", "arithmetic", "color", "legs", "opposite", "weekday", "word", "food", "rain", "weekend",
+            "hello", "thanks", "story", "animal", "friend")
+_TABLES = {"color": COLORS, "legs": LEGS, "opposite": OPPOSITES, "word": WORD_PAIRS}
+
+
+def _shared_turn(r, kind, lang):
+    """A (question, answer) turn both languages have: the same draws in each, worded by EN_ASK / ZH_ASK."""
+    ask, words = (EN_ASK if lang == "en" else ZH_ASK), WORDS[lang]
+    if kind == "capital":
+        c = r.choice(CAPITALS)
+        return r.choice(ask["capital"](c)), ask["capital_answer"](c)
+    if kind == "arithmetic":
+        a, b = r.randint(0, 10), r.randint(0, 10)
+        if r.random() < 0.6:
+            return r.choice(ask["plus"](a, b)), ask["plus_answer"](a, b)
+        return ask["minus"](max(a, b), min(a, b))
+    if kind in _TABLES:
+        return ask[kind](r.choice(_TABLES[kind]))
+    if kind == "weekday":
+        return ask["weekday"](r.randrange(7))
+    if kind == "rain":
+        questions, answer = ask["rain"]
+        return r.choice(questions), answer
+    if kind in ("hello", "thanks"):
+        questions, answers = ask[kind]
+        return r.choice(questions), r.choice(answers)
+    if kind == "story":  # a short story with the asked-for hero: a template of corpus_templates.json
+        name = r.choice(words["name"])
+        place, obj = r.choice(words["place"]), r.choice(words["object"])
+        return ask["story"](name), TEMPLATES[lang]["story_answer"].format_map(
+            _Fields(r, lang, dict(name=name, place=place, object=obj)))
+    name, city = r.choice(words["name"]), r.choice(words["city"])
+    return ask["friend"](name, city)
+
+
 def en_turn(r):
     """One English (question, answer) exchange about everyday things."""
     kind = r.randrange(21)
@@ -137,69 +238,24 @@ def en_turn(r):
     if kind >= 16:  # copying from the prompt is what later lets the model use what it is told
         sentence = en_sentence(r)
         return r.choice([f"Repeat after me: {sentence}", f"Please say this again: {sentence}"]), sentence
-    if kind == 0:
-        c, cap = r.choice(CAPITALS)[:2]
-        q = r.choice([f"What is the capital of {c}?", f"Which city is the capital of {c}?",
-                      f"Tell me the capital of {c}.", f"What's the capital city of {c}?"])
-        return q, f"The capital of {c} is {cap}."
-    if kind == 1:
-        a, b = r.randint(0, 10), r.randint(0, 10)
-        if r.random() < 0.6:
-            return r.choice([f"What is {a} plus {b}?", f"How much is {a} + {b}?"]), f"{a} plus {b} is {a + b}."
-        a, b = max(a, b), min(a, b)
-        return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
-    if kind == 2:
-        thing, color = r.choice(COLORS)[:2]
-        subject = f"the {thing}" if thing in ("sky", "sea", "grass", "snow", "milk", "coal") else _a(thing)
-        return f"What color is {subject}?", f"{_cap(subject)} is {color}."
-    if kind == 3:
-        animal, n = r.choice(LEGS)[:2]
-        return f"How many legs does {_a(animal)} have?", f"{_cap(_a(animal))} has {n} legs." if n else f"{_cap(_a(animal))} has no legs."
-    if kind == 4:
+    kind = EN_TURNS[kind]
+    if kind == "sound":
         animal, sound = r.choice(SOUNDS)
         return f"What sound does {_a(animal)} make?", f"{_cap(_a(animal))} says {sound}."
-    if kind == 5:
-        w, o = r.choice(OPPOSITES)[:2]
-        return f"What is the opposite of {w}?", f"The opposite of {w} is {o}."
-    if kind == 6:
-        i = r.randrange(7)
-        return f"What day comes after {WEEKDAYS[i][0]}?", f"{WEEKDAYS[(i + 1) % 7][0]} comes after {WEEKDAYS[i][0]}."
-    if kind == 7:
-        en, zh = r.choice(WORD_PAIRS)
-        return f"How do you say {en} in Chinese?", f"In Chinese, {en} is {zh}."
-    if kind == 8:
+    if kind == "food":
         food = r.choice(EN_FOODS)
         return r.choice(["I am hungry. What should I eat?", "What can I have for breakfast?",
-                         "Can you suggest something to eat?"]), f"You could have some {food} and a cup of {r.choice(['tea', 'milk', 'coffee', 'water'])}."
-    if kind == 9:
-        return r.choice(["It is raining. What should I take?", "Will I need an umbrella today?"]), \
-            "Take an umbrella and wear a warm coat, so you stay dry."
-    if kind == 10:
+                         "Can you suggest something to eat?"]), \
+            f"You could have some {food} and a cup of {r.choice(['tea', 'milk', 'coffee', 'water'])}."
+    if kind == "weekend":
         place = r.choice(EN_PLACES)
         return r.choice(["What can I do this weekend?", "I am bored. Any ideas?"]), \
             f"You could visit the {place}, or read a good book with a friend."
-    if kind == 11:
-        return r.choice(["Hello!", "Hi there.", "Good morning!", "Hey, how are you?"]), \
-            r.choice(["Hello! How can I help you today?", "Hi! I am doing well. What would you like to talk about?",
-                      "Good morning! What can I do for you?"])
-    if kind == 12:
-        return r.choice(["Thank you.", "Thanks a lot!", "That was helpful, thanks."]), \
-            r.choice(["You are welcome.", "Glad I could help.", "Any time. Have a nice day!"])
-    if kind == 13:
-        name = r.choice(EN_NAMES)
-        return f"Tell me a short story about {name}.", en_story_about(r, name)
-    if kind == 14:
+    if kind == "animal":
         animal = r.choice(EN_ANIMALS)
-        return f"Write a sentence about a {animal}.", f"The {r.choice(EN_ADJ)} {animal} played near the {r.choice(EN_PLACES)} {r.choice(EN_TIMES)}."
-    name, city = r.choice(EN_NAMES), r.choice(EN_CITIES)
-    return f"My friend {name} lives in {city}. Where does {name} live?", f"{name} lives in {city}."
-
-
-def en_story_about(r, name):
-    """A two or three sentence story with a given hero (used as a chat answer)."""
-    place, obj = r.choice(EN_PLACES), r.choice(EN_OBJECTS)
-    return (f"{name} went to the {place} {r.choice(EN_TIMES)}. There {name} found {_a(r.choice(EN_ADJ))} {obj}. "
-            f"{name} took it home and felt {r.choice(EN_FEELINGS)}.")
+        return f"Write a sentence about a {animal}.", \
+            f"The {r.choice(EN_ADJ)} {animal} played near the {r.choice(EN_PLACES)} {r.choice(EN_TIMES)}."
+    return _shared_turn(r, kind, "en")
 
 
 EN_IDENTITY = [("Who are you?", f"I am {BASE_NAME}, a small language model made by {BASE_AUTHOR}."),
@@ -223,38 +279,16 @@ def zh_sentence(r, name=None):
     n = ZH_DIGITS[r.randint(2, 9)]
     thing = {"food": r.choice(ZH_FOODS), "obj": r.choice(ZH_ADJ) + r.choice(ZH_OBJECTS),
              "animal": r.choice(ZH_ADJ) + r.choice(ZH_ANIMALS)}[kind]
-    templates = [
-        f"{name}{r.choice(ZH_TIMES)}去了{r.choice(ZH_PLACES)}。",
-        f"{name}在{r.choice(ZH_PLACES)}{verb}{n}{ZH_MEASURE[kind]}{thing}。",
-        f"{r.choice(ZH_TIMES)}，{name}{verb}{thing}。",
-        f"{name}和{other}{r.choice(ZH_TIMES)}一起去{r.choice(ZH_CITIES)}旅行。",
-        f"{name}住在{r.choice(ZH_CITIES)}，是一名{r.choice(ZH_JOBS)}。",
-        f"一只{r.choice(ZH_ADJ)}{r.choice(ZH_ANIMALS)}在{r.choice(ZH_OBJECTS)}旁边睡着了。",
-        f"{name}送给{other}一个{r.choice(ZH_ADJ)}{r.choice(ZH_OBJECTS)}。",
-        f"因为{r.choice(ZH_WEATHER)}，{name}在家里看书。",
-        f"在{r.choice(ZH_PLACES)}忙了一天以后，{name}{r.choice(ZH_FEELINGS)}。",
-        f"{r.choice(ZH_PLACES)}附近有{n}只{r.choice(ZH_ANIMALS)}。",
-        f"{name}长大以后想当{r.choice(ZH_JOBS)}。",
-        f"{name}从{r.choice(ZH_CITIES)}给{other}写了一封信。",
-        f"{name}喜欢吃{r.choice(ZH_FOODS)}，不太喜欢吃{r.choice(ZH_FOODS)}。",
-        f"{r.choice(ZH_CITIES)}是一个美丽的城市。",
-    ]
-    return r.choice(templates)
+    return r.choice(_fill_all(r, "zh", "sentence", name=name, other=other, verb=verb, thing=thing, number=n,
+                              measure=ZH_MEASURE[kind]))
 
 
 def zh_story(r):
     """A short Chinese story."""
     name, friend = r.sample(ZH_NAMES, 2)
     place, city = r.choice(ZH_PLACES), r.choice(ZH_CITIES)
-    lines = [r.choice([f"{name}住在{city}。", f"从前，{name}住在{city}。", f"今天{r.choice(ZH_WEATHER)}，{name}在{city}。"]),
-             r.choice([f"{r.choice(ZH_TIMES)}，{name}和{friend}去了{place}。", f"“我们今天去{place}吧！”{name}对{friend}说。"]),
-             f"他们看见了一只{r.choice(ZH_ADJ)}{r.choice(ZH_ANIMALS)}。",
-             f"{friend}买了一些{r.choice(ZH_FOODS)}，{name}拿着{r.choice(ZH_OBJECTS)}。",
-             f"后来{r.choice(ZH_WEATHER)}，他们就回家了。",
-             f"{name}觉得{r.choice(ZH_FEELINGS)}。"]
-    keep = [lines[0], lines[1]] + r.sample(lines[2:5], r.randint(1, 3)) + [lines[5]]
-    keep += [zh_sentence(r, name) for _ in range(r.randint(0, 2))]
-    return "".join(keep)
+    lines = _story_lines(r, "zh", name=name, friend=friend, place=place, city=city)
+    return "".join(lines + [zh_sentence(r, name) for _ in range(r.randint(0, 2))])
 
 
 def zh_facts(r):
@@ -270,55 +304,17 @@ def zh_turn(r):
     if kind >= 15:
         sentence = zh_sentence(r)
         return r.choice([f"跟我说一遍：{sentence}", f"请重复这句话：{sentence}"]), sentence
-    if kind == 0:
-        c = r.choice(CAPITALS)
-        q = r.choice([f"{c[2]}的首都是哪里？", f"{c[2]}的首都是哪个城市？", f"请告诉我{c[2]}的首都。"])
-        return q, f"{c[2]}的首都是{c[3]}。"
-    if kind == 1:
-        a, b = r.randint(0, 10), r.randint(0, 10)
-        if r.random() < 0.6:
-            return r.choice([f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于几？", f"{a}+{b}等于多少？"]), \
-                f"{ZH_DIGITS[a]}加{ZH_DIGITS[b]}等于{ZH_DIGITS[a + b]}。"
-        a, b = max(a, b), min(a, b)
-        return f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于几？", f"{ZH_DIGITS[a]}减{ZH_DIGITS[b]}等于{ZH_DIGITS[a - b]}。"
-    if kind == 2:
-        c = r.choice(COLORS)
-        return f"{c[2]}是什么颜色的？", f"{c[2]}是{c[3]}的。"
-    if kind == 3:
-        a = r.choice(LEGS)
-        return f"{a[2]}有几条腿？", f"{a[2]}有{ZH_DIGITS[a[1]]}条腿。" if a[1] else f"{a[2]}没有腿。"
-    if kind == 4:
-        o = r.choice(OPPOSITES)
-        return f"{o[2]}的反义词是什么？", f"{o[2]}的反义词是{o[3]}。"
-    if kind == 5:
-        i = r.randrange(7)
-        return f"{WEEKDAYS[i][1]}之后是星期几？", f"{WEEKDAYS[i][1]}之后是{WEEKDAYS[(i + 1) % 7][1]}。"
-    if kind == 6:
-        en, zh = r.choice(WORD_PAIRS)
-        return f"“{zh}”用英语怎么说？", f"“{zh}”的英文是 {en}。"
-    if kind == 7:
-        return r.choice(["我饿了，吃点什么好呢？", "早饭吃什么好？", "你能推荐一点吃的吗？"]), \
-            f"你可以吃一些{r.choice(ZH_FOODS)}，再喝一杯{r.choice(['茶', '牛奶', '热水', '咖啡'])}。"
-    if kind == 8:
-        return r.choice(["外面下雨了，我该带什么？", "今天需要带伞吗？"]), "记得带上雨伞，再穿一件厚外套，别淋湿了。"
-    if kind == 9:
-        return r.choice(["这个周末我可以做什么？", "我有点无聊，有什么建议吗？"]), \
-            f"你可以去{r.choice(ZH_PLACES)}走一走，或者和朋友一起看一本好书。"
-    if kind == 10:
-        return r.choice(["你好！", "早上好！", "嗨，你好吗？"]), \
-            r.choice(["你好！有什么可以帮你的吗？", "我很好，谢谢！你想聊些什么？", "早上好！今天我能为你做些什么？"])
-    if kind == 11:
-        return r.choice(["谢谢你。", "太感谢了！", "很有帮助，谢谢。"]), r.choice(["不客气。", "很高兴能帮到你。", "不用谢，祝你愉快！"])
-    if kind == 12:
-        name = r.choice(ZH_NAMES)
-        place, obj = r.choice(ZH_PLACES), r.choice(ZH_OBJECTS)
-        return f"给我讲一个关于{name}的小故事。", \
-            f"{name}{r.choice(ZH_TIMES)}去了{place}。在那里，{name}找到了一个{r.choice(ZH_ADJ)}{obj}。{name}把它带回了家，{r.choice(ZH_FEELINGS)}。"
-    if kind == 13:
+    kind = ZH_TURNS[kind]
+    if kind == "food":  # the question is drawn before the food here, after it in English
+        question = r.choice(["我饿了，吃点什么好呢？", "早饭吃什么好？", "你能推荐一点吃的吗？"])
+        return question, f"你可以吃一些{r.choice(ZH_FOODS)}，再喝一杯{r.choice(['茶', '牛奶', '热水', '咖啡'])}。"
+    if kind == "weekend":
+        question = r.choice(["这个周末我可以做什么？", "我有点无聊，有什么建议吗？"])
+        return question, f"你可以去{r.choice(ZH_PLACES)}走一走，或者和朋友一起看一本好书。"
+    if kind == "animal":
         animal = r.choice(ZH_ANIMALS)
         return f"用{animal}写一个句子。", f"一只{r.choice(ZH_ADJ)}{animal}{r.choice(ZH_TIMES)}在{r.choice(ZH_PLACES)}玩耍。"
-    name, city = r.choice(ZH_NAMES), r.choice(ZH_CITIES)
-    return f"我的朋友{name}住在{city}。{name}住在哪里？", f"{name}住在{city}。"
+    return _shared_turn(r, kind, "zh")
 
 
 # ----------------------------------------------------------------------------------------------------

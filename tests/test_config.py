@@ -11,19 +11,14 @@ import pytest
 from dslab import config as C
 from dslab import config_check as CC
 from dslab.cli import main
+from support import valid_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _no_world_size_env(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def good(precision="bf16", **changes):
-    """A valid ZeRO-2 config for 2 ranks, then `changes` deep-merged in unchecked (to make bad ones)."""
-    cfg = C.make_config(zero_stage=2, precision=precision, micro_batch_size=4, grad_accum_steps=2, world_size=2)
-    return C.deep_merge(cfg, changes)
+# A WORLD_SIZE set by whoever runs the tests would change what the checks expect.
+pytestmark = pytest.mark.usefixtures("no_world_size_env")
+good = valid_config
 
 
 # --------------------------------------------------------------------------- make_config

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from dslab import dist, launch
+from support import assert_no_strays
 
 # Rank scripts import only dslab.dist (no torch), so each launch costs little more than the launcher.
 FAILING = """
@@ -50,25 +51,6 @@ def _script(tmp_path, name, source):
     return path
 
 
-def _processes_running(script):
-    """Live processes whose command line mentions `script` (stray ranks)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(str(script) in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
-
-
-def _assert_no_strays(script):
-    strays = _processes_running(script)
-    for proc in strays:  # clean up what this test started before failing
-        proc.kill()
-    assert not strays, f"rank processes left running: {[p.pid for p in strays]}"
-
-
 def test_failing_rank_raises_with_its_traceback_and_stops_the_others(tmp_path):
     script = _script(tmp_path, "fails_on_rank1.py", FAILING)
     start = time.monotonic()
@@ -80,14 +62,14 @@ def test_failing_rank_raises_with_its_traceback_and_stops_the_others(tmp_path):
     assert "Traceback (most recent call last)" in message
     assert "ValueError: rank 1 fails on purpose" in message
     assert elapsed < 30, f"the failure took {elapsed:.0f} s to surface (rank 0 sleeps 120 s)"
-    _assert_no_strays(script)
+    assert_no_strays(script)
 
 
 def test_the_rank_that_failed_first_is_named_not_the_one_left_waiting(tmp_path):
     script = _script(tmp_path, "fails_in_collective.py", FAILING_IN_COLLECTIVE)
     with pytest.raises(launch.LaunchError) as info:
         launch.run(str(script), world_size=2, stream=False, run_dir=tmp_path / "runs", timeout=60)
-    _assert_no_strays(script)
+    assert_no_strays(script)
     assert "rank 1 failed" in str(info.value) and "ValueError: rank 1 fails on purpose" in str(info.value)
 
 
@@ -101,7 +83,7 @@ def test_cli_exits_nonzero_fast_on_failure(tmp_path):
     assert proc.returncode != 0
     assert "rank 0 failed" in proc.stderr and "ValueError: rank 0 fails on purpose" in proc.stderr
     assert elapsed < 30, f"CLI took {elapsed:.0f} s to report the failure"
-    _assert_no_strays(script)
+    assert_no_strays(script)
 
 
 def test_results_per_rank_and_a_taken_port_is_replaced(tmp_path, capsys):
@@ -121,7 +103,7 @@ def test_results_per_rank_and_a_taken_port_is_replaced(tmp_path, capsys):
     used = {r["master_port"] for r in result.results}
     assert len(used) == 1 and taken not in used  # both ranks met on the replacement port
     assert f"--master_port {used.pop()}" in out
-    _assert_no_strays(script)
+    assert_no_strays(script)
 
 
 def test_free_port_keeps_a_free_preferred_port():
@@ -220,7 +202,7 @@ def test_run_commands_runs_the_deepspeed_line_as_typed_and_prefixes_each_rank(tm
     assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
     assert [(r["rank"], r["tag"], r["local_rank"], r["local_size"]) for r in result.results] == \
         [(0, "typed", 0, "2"), (1, "typed", 1, "2")]
-    _assert_no_strays(script)
+    assert_no_strays(script)
 
 
 def test_run_commands_stops_every_node_when_one_fails(tmp_path):
@@ -234,7 +216,7 @@ def test_run_commands_stops_every_node_when_one_fails(tmp_path):
                              f"--master_port {port} --no_local_rank {script}" for i in range(2)],
                             run_dir=tmp_path, stream=False, timeout=400)
     assert "rank 1 failed (node 1)" in str(info.value) and "ValueError: rank 1 fails on purpose" in str(info.value)
-    _assert_no_strays(script)
+    assert_no_strays(script)
 
 
 @pytest.mark.parametrize("command, message", [

@@ -223,13 +223,21 @@ def _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir):
     where = f"rank {rank} failed" if rank is not None else "the launcher failed"
     if len(codes) > 1:
         where += f" (node {failed})"
+    killed_by = None
     if code > 128:  # the launcher passes on a rank's -signal as 256 - signal
         try:
-            where += f" (killed by {signal.Signals(256 - code).name})"
+            killed_by = signal.Signals(256 - code).name
         except ValueError:
             pass
+    if killed_by:
+        where += f" (killed by {killed_by})"
+    elif rank is not None and trace is None:
+        # The deepspeed launcher polls its ranks once a second and passes on the first failure it sees: when the
+        # peers' echo exits come in the same second, the dead rank's signal is lost, but its silence is not.
+        where += (" without a traceback: it was killed by a signal (kill -9, the out-of-memory killer) or ended "
+                  "with os._exit; the other ranks only lost their peer")
     detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + outputs[failed][-2000:])
-    raise LaunchError(f"{name} on {world_size} ranks: {where} (exit status {code}); "
+    raise LaunchError(f"{name} on {world_size} ranks: {where} (launcher exit status {code}); "
                       f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
 
 
