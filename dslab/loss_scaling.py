@@ -5,11 +5,11 @@
   trace_grad_scaler()       the scale step by step when gradients overflow: halve and skip, grow after good steps
   trace_deepspeed_scaler()  the same for DeepSpeed's DynamicLossScaler (hysteresis, loss_scale_window)
   trace_deepspeed_fp16()    GPU only: DeepSpeed's fp16 optimizer skipping steps for real
-Formats are named as everywhere in dslab: "fp32", "fp16", "bf16" (dslab.precision.torch_dtype converts).
+Formats are named as everywhere in dslab: "fp32", "fp16", "bf16" (dslab.models.torch_dtype converts).
 """
 import contextlib
 
-from dslab.precision import torch_dtype
+from dslab.models import torch_dtype
 
 
 def nearly_fit_problem(batch=4096, d_in=16, d_out=1024, residual=0.04, seed=0):

@@ -28,7 +28,8 @@ def torch_dtype(name):
     import torch
 
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(map(repr, DTYPES))}")
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}: dslab names formats by string "
+                         "(torch dtypes only where torch is called)")
     return getattr(torch, DTYPES[name])
 
 

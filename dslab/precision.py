@@ -1,22 +1,16 @@
 """Floating-point formats and mixed precision: dtype tables, what storing a value does, master weights, speed.
 
-Formats are named "fp32", "fp16" and "bf16" throughout dslab; torch_dtype() converts at the boundary.
+Formats are named "fp32", "fp16" and "bf16" throughout dslab; dslab.models.torch_dtype converts at the boundary.
 Loss scaling (fp16's underflow, GradScaler, DeepSpeed's scaler) is dslab.loss_scaling.
 """
 import math
 import time
 
+from dslab.models import torch_dtype  # the one "fp32"/"bf16"/"fp16" -> torch dtype table
+
 FORMATS = ("fp32", "fp16", "bf16")
 # (exponent bits, stored mantissa bits): the sign takes the last bit of each format.
 LAYOUT = {"fp32": (8, 23), "fp16": (5, 10), "bf16": (8, 7)}
-
-
-def torch_dtype(name):
-    """"fp32" / "fp16" / "bf16" -> the torch dtype (dslab's API names formats; torch dtypes only at this boundary)."""
-    import torch
-    if name not in LAYOUT:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)} (dslab names formats by string), got {name!r}")
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 # --------------------------------------------------------------------------- formats

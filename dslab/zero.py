@@ -1,7 +1,7 @@
 """ZeRO on running ranks: train a model a few steps under a ds_config and read what each rank holds.
 
 Rank side (called on every rank, by the zero_memory recipe or on live ranks with `ranks.apply`):
-  run(ds_config, ...)      one engine: build the model, deepspeed.initialize, train, snapshot the bytes
+  run_engine(ds_config, ...) one engine: build the model, deepspeed.initialize, train, snapshot the bytes
   run_setups(setups, ...)  several setups one after another in the same ranks (chapter 04's sweep)
 Kernel side:
   measure(zero_stage, ...)  one setup on new ranks (the zero_memory recipe) -> a dslab.memory report
@@ -42,7 +42,7 @@ def _setup_of(ds_config):
     return int(zero.get("stage", 0)), off["optimizer"], off["param"], precision
 
 
-def run(ds_config, shape=None, model=None, steps=2, seq_len=32, seed=0, comms=False, finish=True):
+def run_engine(ds_config, shape=None, model=None, steps=2, seq_len=32, seed=0, comms=False, finish=True):
     """On this rank: train `steps` optimizer steps under ds_config and snapshot what the rank holds.
 
     The snapshot is taken after backward() of the first micro-step of the last step: not the accumulation
@@ -114,7 +114,7 @@ def run(ds_config, shape=None, model=None, steps=2, seq_len=32, seed=0, comms=Fa
 
 def run_setups(setups, shape=None, model=None, steps=3, grad_accum_steps=2, micro_batch_size=2, seq_len=32,
                lr=1e-3, seed=0, comms=False):
-    """On this rank: run(...) each setup in turn -> {"rank", "world_size", "runs": [one dict per setup]}.
+    """On this rank: run_engine(...) each setup in turn -> {"rank", "world_size", "runs": [one dict per setup]}.
 
     A setup is {"zero_stage": S, "offload_optimizer": bool, "offload_param": bool}, optionally with
     "grad_accum_steps", "comms" and "config" (merged into the ds_config by dslab.config.make_config).
@@ -131,7 +131,7 @@ def run_setups(setups, shape=None, model=None, steps=3, grad_accum_steps=2, micr
         log = setup.pop("comms", comms)
         ds_config = make_config(precision="bf16", micro_batch_size=micro_batch_size, grad_accum_steps=accum,
                                 world_size=world_size, lr=lr, **setup, **extra)
-        out = run(ds_config, shape=shape, model=model, steps=steps, seq_len=seq_len, seed=seed, comms=log)
+        out = run_engine(ds_config, shape=shape, model=model, steps=steps, seq_len=seq_len, seed=seed, comms=log)
         out["config"] = extra
         runs.append(out)
     return {"rank": rank, "world_size": world_size, "runs": runs}
@@ -195,7 +195,7 @@ def fit_params(requested, zero_stage, world_size, offload_optimizer=False, offlo
 
 
 def explorer_config(zero_stage, world_size, offload_optimizer=False, offload_param=False):
-    """The ds_config the explorer runs: the course's make_config with accumulation 2 (see run())."""
+    """The ds_config the explorer runs: the course's make_config with accumulation 2 (see run_engine())."""
     from dslab.config import make_config
 
     return make_config(zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
@@ -225,12 +225,12 @@ def measure_live(ranks, zero_stage, offload_optimizer=False, offload_param=False
 
 
 def run_setups_config(ds_config, shape=None, steps=2):
-    """On this rank: run(ds_config) once, shaped like run_setups' result (for memory.report_from_results)."""
+    """On this rank: run_engine(ds_config) once, shaped like run_setups' result (for memory.report_from_results)."""
     from dslab import dist
 
     start = time.perf_counter()
     rank, world_size = dist.init()
-    out = run(ds_config, shape=shape, steps=steps, finish=False)  # the snapshot is all the explorer needs
+    out = run_engine(ds_config, shape=shape, steps=steps, finish=False)  # the snapshot is all the explorer needs
     out["seconds"] = time.perf_counter() - start
     return {"rank": rank, "world_size": world_size, "runs": [out]}
 

@@ -155,7 +155,7 @@ def test_every_module_and_function_on_the_page_exists():
 
 
 @pytest.mark.parametrize("entry", ["dslab.config.make_config", "dslab.engine_memory.measure_engine",
-                                   "dslab.memory.theory", "dslab.zero.run", "dslab.live.start"])
+                                   "dslab.memory.theory", "dslab.zero.run_engine", "dslab.live.start"])
 def test_the_page_answers_where_a_zero_stage_lives(entry):
     """The questions the page exists for are still answered on it."""
     text = DOC.read_text(encoding="utf-8")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dslab import loss_scaling, plots, precision
+from dslab import loss_scaling, models, plots, precision
 from dslab.exercises import ch02
 
 
@@ -44,10 +44,10 @@ def test_fate(value, name, expected):
 
 
 def test_formats_are_named_by_string_everywhere():
-    assert precision.torch_dtype("bf16") is torch.bfloat16
+    assert models.torch_dtype("bf16") is torch.bfloat16
     for wrong in (torch.float16, "float16", "half"):
-        with pytest.raises(ValueError, match="fp32, fp16, bf16"):
-            precision.torch_dtype(wrong)
+        with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+            models.torch_dtype(wrong)
     x, targets, make_layer = loss_scaling.nearly_fit_problem(batch=8, d_out=4)
     weight_grad, output_grad = loss_scaling.gradients(x, targets, make_layer, dtype="bf16")
     assert output_grad.dtype is torch.bfloat16 and weight_grad.dtype is torch.float32
