@@ -8,7 +8,13 @@ Markers (registered here, applied here by test file / node id so no test file ha
 `pytest -m "not slow" tests --ignore=tests/browser` (make test-fast) is the quick loop: under 2 minutes on
 2 cores. `make test` runs everything.
 """
+import os
+
 import pytest
+
+# The tests and the notebooks' stored outputs are in English, whatever the locale of the machine that runs them
+# (dslab.messages speaks Chinese in a zh_* locale); tests of the Chinese messages set the language themselves.
+os.environ["DSLAB_LANG"] = "en"
 
 # Tests that start ranks, by node id ("file::test" also covers its parametrized cases; "file::test[case]" one
 # case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from dslab import config_check, files
+from dslab.messages import say
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -148,8 +149,7 @@ def load_config(path):
         seen = {}
         for key, value in pairs:
             if key in seen:
-                raise config_check.ConfigError(f"{path}: key {key!r} appears twice in the same object; JSON keeps "
-                                               f"only the last one and DeepSpeed refuses the file. Keep one {key!r}.")
+                raise config_check.ConfigError(say("load.duplicate_key", path=path, key=key))
             seen[key] = value
         return seen
 
@@ -159,12 +159,10 @@ def load_config(path):
         lines = text.splitlines()
         line = lines[exc.lineno - 1] if exc.lineno <= len(lines) else ""
         raise config_check.ConfigError(
-            f"{path}, line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}\n"
-            f"    {line}\n    {' ' * (exc.colno - 1)}^\n"
-            "    fix: JSON has no comments, no trailing commas, and needs double quotes around keys and strings"
+            say("load.malformed", path=path, line=exc.lineno, column=exc.colno, msg=exc.msg)
+            + f"\n    {line}\n    {' ' * (exc.colno - 1)}^\n    {say('problem.fix')}: {say('load.malformed.fix')}"
         ) from None
     if not isinstance(cfg, dict):
-        raise config_check.ConfigError(f"{path}: a DeepSpeed config is a JSON object {{...}}, this file holds "
-                                       f"a {type(cfg).__name__}")
+        raise config_check.ConfigError(say("load.not_object", path=path, kind=type(cfg).__name__))
     return cfg
 

@@ -11,10 +11,7 @@ import re
 from dataclasses import dataclass
 
 from dslab.config_keys import optimizer_param_keys, schema, signature_keys
-
-_AUTO_FIX = ('replace it with the value itself (a number, true/false, ...), or pass the config to '
-             'transformers\' Trainer (TrainingArguments(deepspeed=...)), which fills every "auto" from its '
-             'arguments; check such a file with `dslab config check --hf-trainer`')
+from dslab.messages import say
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
@@ -26,7 +23,7 @@ class Problem:
     fix: str
 
     def __str__(self):
-        return f"{self.key or '(config)'}: {self.problem}\n    fix: {self.fix}"
+        return f"{self.key or '(config)'}: {self.problem}\n    {say('problem.fix')}: {self.fix}"
 
 
 class ConfigError(ValueError):
@@ -37,9 +34,10 @@ class ConfigError(ValueError):
         super().__init__(message)
 
     @classmethod
-    def from_problems(cls, problems, source="the DeepSpeed config"):
+    def from_problems(cls, problems, source=None):
         n = len(problems)
-        lines = [f"{n} problem{'s' if n != 1 else ''} in {source}:"] + [f"  {p}" for p in problems]
+        header = say("problems.header", n=n, s="s" if n != 1 else "", source=source or say("problems.source"))
+        lines = [header] + [f"  {p}" for p in problems]
         return cls("\n".join(lines), problems)
 
 
@@ -52,8 +50,7 @@ def check_config(cfg, world_size=None, device=None, allow_auto=False):
     allow_auto: accept "auto" values (the config goes to transformers' Trainer, which fills them).
     """
     if not isinstance(cfg, dict):
-        return [Problem("", f"a DeepSpeed config is a dict (JSON object), got {type(cfg).__name__}",
-                        "pass a dict such as dslab.config.make_config(...) or dslab.config.load_config(path)")]
+        return [Problem("", say("check.not_a_dict", kind=type(cfg).__name__), say("check.not_a_dict.fix"))]
     problems = _Problems()
     deepspeed_keys = schema()
     _scan_values(cfg, "", problems, allow_auto or deepspeed_keys["auto_ok"])
@@ -78,11 +75,11 @@ def validate(cfg, world_size=None, device=None, allow_auto=False):
 def resolve_world_size(world_size=None):
     """(world_size, where it came from): the argument, else $WORLD_SIZE, else 1."""
     if world_size is not None:
-        return int(world_size), "the world_size argument (--world-size)"
+        return int(world_size), say("world.argument")
     env = os.environ.get("WORLD_SIZE", "")
     if env.strip().isdigit() and int(env) > 0:
-        return int(env), "the WORLD_SIZE environment variable"
-    return 1, "the default (no world_size given and WORLD_SIZE unset)"
+        return int(env), say("world.env")
+    return 1, say("world.default")
 
 
 def describe(cfg, world_size=None):
@@ -90,11 +87,11 @@ def describe(cfg, world_size=None):
     zero = cfg.get("zero_optimization") or {}
     precision = ("bf16" if _enabled(cfg, "bf16") or _enabled(cfg, "bfloat16")
                  else "fp16" if _enabled(cfg, "fp16") else "fp32")
-    parts = [f"ZeRO stage {zero.get('stage', 0)}", precision]
+    parts = [say("describe.stage", stage=zero.get("stage", 0)), precision]
     for what in ("optimizer", "param"):
         device = (zero.get(f"offload_{what}") or {}).get("device", "none")
         if device != "none":
-            parts.append(f"offload {what} -> {device}")
+            parts.append(say("describe.offload", what=what, device=device))
     world, source = resolve_world_size(world_size)
     total, micro, accum = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                                 "gradient_accumulation_steps"))
@@ -102,9 +99,8 @@ def describe(cfg, world_size=None):
         accum = accum or 1
         micro = micro or total // world // accum
         if total is None:
-            total = f"{micro * accum * world} (computed by DeepSpeed)"
-    batch = (f"batch: train_batch_size {total} = micro {micro} x accum {accum} x world {world}; "
-             f"world_size {world} came from {source}")
+            total = say("describe.computed", total=micro * accum * world)
+    batch = say("describe.batch", total=total, micro=micro, accum=accum, world=world, source=source)
     return ", ".join(parts) + "\n" + batch
 
 
@@ -147,15 +143,13 @@ def _scan_values(value, path, problems, allow_auto):
     elif isinstance(value, str):
         if value.strip().lower() == "auto":
             if allow_auto is not True and path.rpartition(".")[2] not in allow_auto:
-                problems.add(path, '"auto" is a placeholder that only transformers\' Trainer fills in; '
-                             'deepspeed.initialize does not: inside sections DeepSpeed quietly uses its default, '
-                             'elsewhere it fails later with a confusing error', _AUTO_FIX)
+                problems.add(path, say("check.auto"), say("check.auto.fix"))
         elif _NUMBER.fullmatch(value.strip()):
-            problems.add(path, f"the number {value.strip()} is written as a string ({json.dumps(value)})",
-                         f"remove the quotes: {value.strip()}")
+            problems.add(path, say("check.number_as_string", value=value.strip(), quoted=json.dumps(value)),
+                         say("check.remove_quotes", value=value.strip()))
         elif value.strip().lower() in ("true", "false"):
-            problems.add(path, f"the boolean {value.strip().lower()} is written as a string ({json.dumps(value)})",
-                         f"remove the quotes: {value.strip().lower()}")
+            problems.add(path, say("check.bool_as_string", value=value.strip().lower(), quoted=json.dumps(value)),
+                         say("check.remove_quotes", value=value.strip().lower()))
 
 
 def _walk(value, section, path, problems):
@@ -165,18 +159,16 @@ def _walk(value, section, path, problems):
         if key not in section["keys"]:
             removed = section["removed"].get(key)
             if removed:
-                problems.add(where, f"DeepSpeed removed this option: {removed}", f"delete {where!r}")
+                problems.add(where, say("check.removed", why=removed), say("check.delete", key=where))
                 continue
             hint = difflib.get_close_matches(str(key), sorted(section["keys"]), n=1, cutoff=0.6)
-            level = f"in {path!r}" if path else "at the top level"
-            problems.add(where, f"unknown key {key!r} {level}; DeepSpeed silently ignores keys it does not know",
-                         f"did you mean {_join(path, hint[0])!r}?" if hint else
-                         f"delete it, or check the spelling against DeepSpeed's config docs ({level} it reads: "
-                         f"{', '.join(sorted(section['keys']))})")
+            level = say("check.level.in", path=path) if path else say("check.level.top")
+            problems.add(where, say("check.unknown_key", key=key, level=level),
+                         say("check.did_you_mean", hint=_join(path, hint[0])) if hint else
+                         say("check.unknown_key.fix", level=level, keys=", ".join(sorted(section["keys"]))))
             continue
         if key in section["deprecated"]:
-            problems.add(where, "deprecated: DeepSpeed still reads it but warns and may drop it",
-                         f"use {section['deprecated'][key]!r} instead")
+            problems.add(where, say("check.deprecated"), say("check.use_instead", new=section["deprecated"][key]))
             continue
         if where in problems.keys:
             continue
@@ -186,26 +178,25 @@ def _walk(value, section, path, problems):
         if child is not None and isinstance(item, dict):
             _walk(item, child, where, problems)
         elif child is not None and item is not None and not isinstance(item, bool):
-            problems.add(where, f"must be a JSON object {{...}}, got {_show(item)}",
-                         f"write it as an object, e.g. {where!r}: {{...}}")
+            problems.add(where, say("check.not_object", value=_show(item)), say("check.not_object.fix", key=where))
 
 
 def _check_kind(value, kind, where, problems):
     if kind is None or value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return
     if kind == "bool" and not isinstance(value, bool):
-        problems.add(where, f"must be true or false, got {_show(value)}", "write true or false (no quotes)")
+        problems.add(where, say("check.bool", value=_show(value)), say("check.bool.fix"))
     elif kind in ("int", "posint"):
         whole = (isinstance(value, int) and not isinstance(value, bool)) or (
             isinstance(value, float) and value.is_integer())
         if not whole:
-            problems.add(where, f"must be a whole number, got {_show(value)}", "write an integer such as 4 (no quotes)")
+            problems.add(where, say("check.int", value=_show(value)), say("check.int.fix"))
         elif kind == "posint" and value < 1:
-            problems.add(where, f"must be at least 1, got {_show(value)}", "use a positive integer")
+            problems.add(where, say("check.posint", value=_show(value)), say("check.posint.fix"))
     elif kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        problems.add(where, f"must be a number, got {_show(value)}", "write a number such as 1.0 (no quotes)")
+        problems.add(where, say("check.float", value=_show(value)), say("check.float.fix"))
     elif kind == "str" and not isinstance(value, str):
-        problems.add(where, f"must be a string, got {_show(value)}", "write it in double quotes")
+        problems.add(where, say("check.str", value=_show(value)), say("check.str.fix"))
 
 
 def _validate_models(cfg, models, problems):
@@ -226,10 +217,9 @@ def _validate_models(cfg, models, problems):
                 for err in exc.errors():
                     where = ".".join([key] + [str(p) for p in err["loc"]])
                     if not any(where == k or where.startswith(k + ".") for k in problems.keys):
-                        problems.add(where, f"DeepSpeed rejects this: {err['msg']}",
-                                     "change the value as the message says (see DeepSpeed's config docs)")
+                        problems.add(where, say("check.rejects", msg=err["msg"]), say("check.rejects.fix"))
             except (AssertionError, ValueError, TypeError) as exc:
-                problems.add(key, f"DeepSpeed rejects this section: {exc}", "change the values the message names")
+                problems.add(key, say("check.rejects_section", msg=exc), say("check.rejects_section.fix"))
     finally:
         logger.setLevel(level)
 
@@ -243,8 +233,7 @@ def _check_batch(cfg, world_size, problems):
         return  # already reported, or "auto" allowed for the HF Trainer
     world, source = resolve_world_size(world_size)
     if total is None and micro is None:
-        problems.add("train_micro_batch_size_per_gpu", "neither train_batch_size nor train_micro_batch_size_per_gpu "
-                     "is set; DeepSpeed needs one of them", "set train_micro_batch_size_per_gpu (e.g. 4)")
+        problems.add("train_micro_batch_size_per_gpu", say("check.no_batch"), say("check.no_batch.fix"))
         return
     if total is None:
         return  # DeepSpeed computes micro x accum x world
@@ -258,14 +247,11 @@ def _check_batch(cfg, world_size, problems):
     if total != product or micro < 1 or accum < 1:
         fits = ""
         if micro >= 1 and accum >= 1 and total % (micro * accum) == 0 and total // (micro * accum) != world:
-            fits = f"; {total} would fit world_size {total // (micro * accum)}"
+            fits = say("check.batch.fits", total=total, world=total // (micro * accum))
         suggested = max(micro, 1) * max(accum, 1) * world
-        problems.add(
-            "train_batch_size",
-            f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-            f"{accum} x world_size {world} = {product}; world_size {world} came from {source}{fits}",
-            f"set train_batch_size to {suggested}, or remove it so DeepSpeed computes micro x accum x world; "
-            "if the config is for another number of ranks, pass that world size (--world-size N)")
+        problems.add("train_batch_size", say("check.batch", total=total, micro=micro, accum=accum, world=world,
+                                             product=product, source=source, fits=fits),
+                     say("check.batch.fix", suggested=suggested))
 
 
 def _offload_device(zero, what):
@@ -279,17 +265,15 @@ def _offload_device(zero, what):
 def _check_zero(cfg, problems):
     zero = cfg.get("zero_optimization")
     if isinstance(zero, bool):
-        problems.add("zero_optimization", "the old boolean form (true/false) is deprecated",
-                     'write an object with the stage, e.g. "zero_optimization": {"stage": 1}')
+        problems.add("zero_optimization", say("check.zero_bool"), say("check.zero_bool.fix"))
         return
     if not isinstance(zero, dict):
         return
     stage = zero.get("stage", 0)
     if "zero_optimization.stage" not in problems.keys:
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            problems.add("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {_show(stage)}",
-                         "use 0 (plain data parallel), 1 (partition optimizer states), 2 (+ gradients) "
-                         "or 3 (+ parameters)")
+            problems.add("zero_optimization.stage", say("check.zero_stage", value=_show(stage)),
+                         say("check.zero_stage.fix"))
             stage = None
     else:
         stage = None
@@ -300,23 +284,19 @@ def _check_zero(cfg, problems):
             continue
         device = block.get("device", "none")
         if device not in ("cpu", "nvme", "none"):
-            problems.add(where + ".device", f"offload device must be \"cpu\" or \"nvme\", got {_show(device)}",
-                         'use "cpu" (or "nvme" with nvme_path; "none" turns offload off)')
+            problems.add(where + ".device", say("check.offload_device", value=_show(device)),
+                         say("check.offload_device.fix"))
             continue
         if device == "nvme" and not block.get("nvme_path"):
-            problems.add(where + ".nvme_path", "device \"nvme\" needs nvme_path, the directory on the fast disk",
-                         f'add "nvme_path": "/local_nvme" to {where}, or use device "cpu"')
+            problems.add(where + ".nvme_path", say("check.nvme_path"), say("check.nvme_path.fix", key=where))
     if stage is None:
         return
     if _offload_device(zero, "param") and stage != 3:
-        problems.add("zero_optimization.offload_param",
-                     f"offload_param needs ZeRO stage 3 (parameters are only partitioned there), stage is {stage}",
-                     "set zero_optimization.stage to 3, or remove offload_param (offload_optimizer works "
-                     "with stages 1-3)")
+        problems.add("zero_optimization.offload_param", say("check.offload_param", stage=stage),
+                     say("check.offload_param.fix"))
     if _offload_device(zero, "optimizer") and stage == 0:
-        problems.add("zero_optimization.offload_optimizer",
-                     "offload_optimizer needs ZeRO stage 1, 2 or 3; with stage 0 it does nothing",
-                     "set zero_optimization.stage to 1, 2 or 3, or remove offload_optimizer")
+        problems.add("zero_optimization.offload_optimizer", say("check.offload_optimizer"),
+                     say("check.offload_optimizer.fix"))
 
 
 def device_support(device):
@@ -345,24 +325,18 @@ def _check_precision(cfg, device, problems):
     fp16, bf16 = _enabled(cfg, "fp16"), _enabled(cfg, "bf16") or _enabled(cfg, "bfloat16")
     bf16_key = "bfloat16.enabled" if _enabled(cfg, "bfloat16") else "bf16.enabled"
     if "bfloat16" in cfg and "bf16" not in cfg and "bfloat16" not in problems.keys:
-        problems.add("bfloat16", '"bfloat16" is the old name of the section', 'rename it to "bf16"')
+        problems.add("bfloat16", say("check.bfloat16_name"), say("check.bfloat16_name.fix"))
     if fp16 and bf16:
-        problems.add("fp16.enabled", f"fp16.enabled and {bf16_key} are both true; DeepSpeed trains in one 16-bit "
-                     "format", "keep one: bf16 on CPUs and Ampere-or-newer GPUs, fp16 on older GPUs "
-                     "(set the other's enabled to false)")
+        problems.add("fp16.enabled", say("check.fp16_and_bf16", bf16_key=bf16_key), say("check.fp16_and_bf16.fix"))
         return
     if device == "any" or not (fp16 or bf16):
         return
     name, fp16_ok, bf16_ok, detail = device_support(device)
     if fp16 and fp16_ok is False:
-        why = ("DeepSpeed's CPU accelerator has no fp16 training" if name == "cpu"
-               else f"{detail} has no fp16 support")
-        problems.add("fp16.enabled", f"fp16 is enabled but {why}; deepspeed.initialize would stop later with "
-                     "'Type fp16 is not supported on your device.'",
-                     "use bf16 (bf16.enabled true, fp16.enabled false) or fp32 (both false); fp16 needs a GPU")
+        why = say("check.fp16_cpu") if name == "cpu" else say("check.fp16_device", detail=detail)
+        problems.add("fp16.enabled", say("check.fp16", why=why), say("check.fp16.fix"))
     if bf16 and bf16_ok is False:
-        problems.add(bf16_key, f"bf16 is enabled but {detail} has no native bf16 (it needs an Ampere or newer GPU)",
-                     "use fp16 instead (fp16.enabled true, bf16.enabled false), or fp32")
+        problems.add(bf16_key, say("check.bf16", detail=detail), say("check.bf16.fix"))
 
 
 def _check_params(params, known, where, problems):
@@ -371,9 +345,9 @@ def _check_params(params, known, where, problems):
     for key in params:
         if key not in known and _join(where, key) not in problems.keys:
             hint = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            problems.add(_join(where, key), f"unknown parameter {key!r}; the optimizer/scheduler would fail with "
-                         "an unexpected keyword argument", f"did you mean {_join(where, hint[0])!r}?" if hint
-                         else f"use one of: {', '.join(sorted(known - {'max_grad_norm'}))}")
+            problems.add(_join(where, key), say("check.unknown_param", key=key),
+                         say("check.did_you_mean", hint=_join(where, hint[0])) if hint
+                         else say("check.use_one_of", choices=", ".join(sorted(known - {"max_grad_norm"}))))
 
 
 def _check_optimizer(cfg, problems):
@@ -385,8 +359,7 @@ def _check_optimizer(cfg, problems):
 
     name = block.get("type")
     if name is None:
-        problems.add("optimizer.type", "the optimizer section has no type, so DeepSpeed ignores it",
-                     'add "type": "AdamW" (or remove the section and pass an optimizer to deepspeed.initialize)')
+        problems.add("optimizer.type", say("check.optimizer_no_type"), say("check.optimizer_no_type.fix"))
         return
     if not isinstance(name, str):
         return
@@ -394,14 +367,12 @@ def _check_optimizer(cfg, problems):
     if name.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, name):
         choices = ["Adam", "AdamW", "Adagrad", "Lamb", "Lion"] + torch_names
         hint = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-        problems.add("optimizer.type", f"DeepSpeed knows no optimizer {name!r} (its own: "
-                     f"{', '.join(DEEPSPEED_OPTIMIZERS)}; or a torch.optim class name)",
-                     f"did you mean {hint[0]!r}?" if hint else 'use "AdamW"')
+        problems.add("optimizer.type", say("check.optimizer_unknown", name=name, own=", ".join(DEEPSPEED_OPTIMIZERS)),
+                     say("check.did_you_mean", hint=hint[0]) if hint else say("check.use_adamw"))
         return
     params = block.get("params")
     if isinstance(params, dict) and "max_grad_norm" in params:
-        problems.add("optimizer.params.max_grad_norm", "DeepSpeed refuses max_grad_norm as an optimizer parameter",
-                     'remove it and set the top-level "gradient_clipping" instead')
+        problems.add("optimizer.params.max_grad_norm", say("check.max_grad_norm"), say("check.max_grad_norm.fix"))
     known = optimizer_param_keys(name)
     if known:  # empty: this optimizer's parameters are not checked
         _check_params(params, known | {"max_grad_norm"}, "optimizer.params", problems)
@@ -416,8 +387,7 @@ def _check_scheduler(cfg, problems):
 
     name = block.get("type")
     if not isinstance(name, str):
-        problems.add("scheduler.type", "the scheduler section has no type, so DeepSpeed ignores it",
-                     'add "type": "WarmupLR" (or remove the section)')
+        problems.add("scheduler.type", say("check.scheduler_no_type"), say("check.scheduler_no_type.fix"))
         return
     if hasattr(lr_schedules, name):
         dotted = f"deepspeed.runtime.lr_schedules.{name}"
@@ -425,9 +395,9 @@ def _check_scheduler(cfg, problems):
         dotted = f"torch.optim.lr_scheduler.{name}"
     else:
         hint = difflib.get_close_matches(name, lr_schedules.VALID_LR_SCHEDULES, n=1, cutoff=0.6)
-        problems.add("scheduler.type", f"DeepSpeed knows no LR scheduler {name!r}",
-                     f"did you mean {hint[0]!r}?" if hint else
-                     f"use one of {', '.join(lr_schedules.VALID_LR_SCHEDULES)} or a torch.optim.lr_scheduler class")
+        problems.add("scheduler.type", say("check.scheduler_unknown", name=name),
+                     say("check.did_you_mean", hint=hint[0]) if hint else
+                     say("check.scheduler_unknown.fix", choices=", ".join(lr_schedules.VALID_LR_SCHEDULES)))
         return
     _check_params(block.get("params"), signature_keys([dotted]), "scheduler.params", problems)
 

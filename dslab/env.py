@@ -5,10 +5,12 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from importlib import metadata
 from pathlib import Path
 
 from dslab import dist
+from dslab.messages import say
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
 # CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
@@ -267,38 +269,40 @@ def report():
 
 
 def format_report(rep):
-    """The report as aligned text."""
-    lines = ["versions"]
-    lines += [f"  {k:<22}{v or 'not installed'}" for k, v in rep["versions"].items()]
-    a = rep["accelerator"]
-    lines += ["accelerator",
-              f"  {'device':<22}{a['name']} ({rep['platform']})",
-              f"  {'communication backend':<22}{a['communication_backend']}",
-              f"  {'bf16 / fp16':<22}{'yes' if a['bf16_supported'] else 'no'} / "
-              f"{'yes' if a['fp16_supported'] else 'no'}"]
-    c = rep["cpu"]
-    flags = ", ".join(f for f, on in c["flags"].items() if on) or "none"
-    lines += ["cpu",
-              f"  {'model':<22}{c['model']}",
-              f"  {'cores usable / total':<22}{c['cores_usable']} / {c['cores_total']}",
-              f"  {'bf16-related flags':<22}{flags}",
-              f"  {'memory':<22}{rep['memory']['total_gib']} GiB total, "
-              f"{rep['memory']['available_gib']} GiB available"]
-    lines += ["gpus"] + ([f"  {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm {g['compute_capability']}"
-                          for g in rep["gpus"]] or ["  none"])
+    """The report as aligned text, in the learner's language (dslab.messages)."""
+    def row(label, value):  # padded by display width: a Chinese character takes two columns
+        width = sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in label)
+        return f"  {label}{' ' * max(1, 22 - width)}{value}"
+
+    yes_no = {True: say("env.yes"), False: say("env.no")}
+    a, c = rep["accelerator"], rep["cpu"]
+    lines = [say("env.versions")] + [row(k, v or say("env.not_installed")) for k, v in rep["versions"].items()]
+    lines += [say("env.accelerator"),
+              row(say("env.device"), f"{a['name']} ({rep['platform']})"),
+              row(say("env.backend"), a["communication_backend"]),
+              row("bf16 / fp16", f"{yes_no[bool(a['bf16_supported'])]} / {yes_no[bool(a['fp16_supported'])]}")]
+    flags = ", ".join(f for f, on in c["flags"].items() if on) or say("env.none")
+    lines += [say("env.cpu"),
+              row(say("env.model"), c["model"]),
+              row(say("env.cores"), f"{c['cores_usable']} / {c['cores_total']}"),
+              row(say("env.flags"), flags),
+              row(say("env.memory"), say("env.memory_value", total=rep["memory"]["total_gib"],
+                                         available=rep["memory"]["available_gib"]))]
+    lines += [say("env.gpus")] + ([f"  {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm {g['compute_capability']}"
+                                   for g in rep["gpus"]] or [f"  {say('env.none')}"])
     if rep["topology"]:
-        lines += ["  topology (nvidia-smi topo -m):"] + [f"    {line}" for line in rep["topology"].splitlines()]
-    lines += ["build tools"] + [f"  {k:<22}{v or 'missing: ' + INSTALL_HINTS.get(k, '')}"
-                                for k, v in rep["build_tools"].items()]
-    lines += ["JIT ops", f"  {'cache':<22}{rep['torch_extensions_dir']}"]
+        lines += [f"  {say('env.topology')}"] + [f"    {line}" for line in rep["topology"].splitlines()]
+    lines += [say("env.build_tools")] + [row(k, v or say("env.missing", hint=INSTALL_HINTS.get(k, "")))
+                                         for k, v in rep["build_tools"].items()]
+    lines += [say("env.jit_ops"), row(say("env.cache"), rep["torch_extensions_dir"])]
     for name, op in rep["ops"].items():
-        state = ("built" if op["built"] else "not built yet") if op["compatible"] else "not compatible"
-        lines.append(f"  {name:<22}{state}" + (f" ({op['path']})" if op["path"] else ""))
+        state = (say("env.built") if op["built"] else say("env.not_built")) if op["compatible"] \
+            else say("env.not_compatible")
+        lines.append(row(name, state + (f" ({op['path']})" if op["path"] else "")))
     aio = rep["async_io"]
-    lines.append(f"  {aio['op']:<22}" + ("compatible (libaio found)" if aio["compatible"] else
-                                         f"not available: needs libaio ({AIO_INSTALL_HINT})")
-                 + f"; the course does not use it, only {aio['purpose']} do")
-    lines += ["what runs here"]
+    lines.append(row(aio["op"], (say("env.aio_ok") if aio["compatible"] else
+                                 say("env.aio_missing", hint=AIO_INSTALL_HINT)) + say("env.aio_use", purpose=aio["purpose"])))
+    lines += [say("env.what_runs")]
     lines += [f"  [{'x' if f['available'] else ' '}] {f['name']:<26}{f['reason']}" for f in rep["features"]]
     return "\n".join(lines)
 

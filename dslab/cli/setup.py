@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dslab import config, config_check, dist, env, memory, zero
+from dslab.messages import say
 
 
 def add_commands(subparsers):
@@ -60,7 +61,7 @@ def _config_check(args):
     try:
         cfg = config.load_config(path)
     except FileNotFoundError:
-        print(f"{args.file}: no such file (ready-made configs: {', '.join(config.BUNDLED)})")
+        print(say("config.no_file", file=args.file, bundled=", ".join(config.BUNDLED)))
         return 1
     except config_check.ConfigError as exc:
         print(exc)
@@ -70,11 +71,11 @@ def _config_check(args):
     problems = config_check.check_config(cfg, world_size=args.world_size, device=device, allow_auto=args.hf_trainer)
     if problems:
         n = len(problems)
-        print(f"{args.file}: {n} problem{'s' if n != 1 else ''}")
+        print(say("problems.file", file=args.file, n=n, s="s" if n != 1 else ""))
         for p in problems:
             print(f"  {p}")
         return 1
-    print(f"{args.file}: OK")
+    print(say("config.ok", file=args.file))
     for line in config_check.describe(cfg, args.world_size).splitlines():
         print(f"  {line}")
     return 0

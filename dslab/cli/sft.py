@@ -2,7 +2,7 @@
 file parses the arguments, calls it and prints the outcome. The command returns its exit status."""
 import sys
 
-from dslab import checkpoints, config_check, data, dist, launch, lora, models, sft
+from dslab import checkpoints, config_check, data, dist, equivalents, launch, lora, models, sft
 
 
 def add_commands(subparsers):
@@ -39,11 +39,16 @@ def add_commands(subparsers):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=None, help="print the loss every K steps (default: 8 lines in all)")
     p.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
+    p.add_argument("--print-equivalent", choices=equivalents.TARGETS, default=None,
+                   help="print this run for the Hugging Face Trainer (hf), ms-swift (swift) or LLaMA-Factory "
+                        "(llamafactory) and exit: nothing is trained, loaded or launched")
     p.set_defaults(func=run_sft)
 
 
 def run_sft(args):
     """Fine-tune as the arguments say; print where the result went, or what stopped the run before it began."""
+    if args.print_equivalent:
+        return print_equivalent(args)
     dist.quiet()
     try:
         result = sft.run(model=args.model, data=args.data, output=args.output, zero_stage=args.zero,
@@ -73,3 +78,14 @@ def expected_steps(args):
     except Exception:  # sft.run reports data problems properly
         return None
     return sft.total_steps(n, args.world_size, args.micro_batch_size, args.grad_accum_steps, args.epochs)
+
+
+def print_equivalent(args):
+    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool, printed (dslab.equivalents)."""
+    dist.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
+    try:
+        print(equivalents.render(args.print_equivalent, equivalents.describe(args)), end="")
+    except (sft.SFTError, data.DataError, config_check.ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,86 @@
+"""dslab.messages: one catalogue in English and Chinese; the locale or --lang picks the language."""
+import ast
+import json
+import re
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dslab import config_check, messages
+
+ROOT = Path(__file__).resolve().parents[1]
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def _fields(text):
+    return {name for _, name, _, _ in string.Formatter().parse(text) if name}
+
+
+@pytest.mark.parametrize("key", sorted(messages.CATALOGUE))
+def test_every_message_has_both_languages_with_the_same_fields(key):
+    entry = messages.CATALOGUE[key]
+    assert set(entry) == set(messages.LANGUAGES), key
+    # the same fields, except English's plural ending {s}, which Chinese does not need
+    assert _fields(entry["zh"]) <= _fields(entry["en"]) and _fields(entry["en"]) - _fields(entry["zh"]) <= {"s"}, key
+
+
+def test_every_key_the_code_says_exists_and_every_entry_is_used():
+    said = set()
+    for path in (ROOT / "dslab").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "say" \
+                    and node.args and isinstance(node.args[0], ast.Constant):
+                said.add(node.args[0].value)
+    assert said - set(messages.CATALOGUE) == set(), "said but not in the catalogue"
+    assert set(messages.CATALOGUE) - said == set(), "in the catalogue but never said"
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"LANG": "zh_CN.UTF-8"}, "zh"),
+    ({"LANG": "en_US.UTF-8"}, "en"),
+    ({"LC_ALL": "C.UTF-8", "LANG": "zh_CN.UTF-8"}, "en"),          # LC_ALL wins, as for any POSIX program
+    ({"LC_MESSAGES": "zh_TW.UTF-8", "LANG": "en_US.UTF-8"}, "zh"),
+    ({"LANG": "zh_CN.UTF-8", "DSLAB_LANG": "en"}, "en"),           # --lang / DSLAB_LANG wins over the locale
+    ({}, "en"),
+])
+def test_the_language_follows_the_locale(monkeypatch, env, expected):
+    for var in ("DSLAB_LANG", "LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert messages.language() == expected
+
+
+def test_a_problem_is_explained_in_chinese(monkeypatch):
+    monkeypatch.setenv("DSLAB_LANG", "zh")
+    bad = {"train_micro_batch_size_per_gpu": "4", "zero_optimization": {"stage": 5}, "gradient_clippng": 1.0}
+    problems = config_check.check_config(bad, world_size=2, device="any")
+    assert [p.key for p in problems] == ["train_micro_batch_size_per_gpu", "gradient_clippng",
+                                         "zero_optimization.stage"]
+    for p in problems:
+        assert CJK.search(p.problem) and CJK.search(p.fix), p
+    assert "'gradient_clipping'" in problems[1].fix  # keys stay as they are written in a config
+    assert "修改方法" in str(problems[0])
+
+
+def _cli(args, **env):
+    base = {k: v for k, v in __import__("os").environ.items() if k not in ("DSLAB_LANG", "LC_ALL", "LC_MESSAGES")}
+    return subprocess.run([sys.executable, "-m", "dslab.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**base, **env}, timeout=300)
+
+
+def test_config_check_speaks_chinese_in_a_chinese_locale(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                               "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2, "overlap_com": True},
+                               "bf16": {"enabled": True}}))
+    zh = _cli(["config", "check", str(bad), "--world-size", "2", "--device", "cpu"], LANG="zh_CN.UTF-8")
+    assert zh.returncode == 1
+    assert "2 个问题" in zh.stdout and "train_batch_size 16 != " in zh.stdout and "是不是想写" in zh.stdout, zh.stdout
+    en = _cli(["--lang", "en", "config", "check", str(bad), "--world-size", "2", "--device", "cpu"],
+              LANG="zh_CN.UTF-8")
+    assert "2 problems" in en.stdout and "did you mean 'zero_optimization.overlap_comm'?" in en.stdout, en.stdout
+    assert not CJK.search(en.stdout)
