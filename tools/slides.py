@@ -8,6 +8,9 @@ Course tooling, not part of the learner's package: it lives in tools/ and runs f
     python -m tools.slides list  [DECK ...]             decks, slide counts and directives
     python tools/slides.py build                        the same, without -m
 
+Without --src, build, check and list take both editions: slides/NN_topic.md (built into slides/build/) and the
+Chinese decks slides/zh/NN_topic.md (into slides/build/zh/), which have the same directives, so the same figures.
+
 A slide pulls live content from the kit with a directive on a line of its own:
 
     ![figure: caption](dslab.plots:zero_partition_map(world_size=4))        the Figure, as a PNG
@@ -56,11 +59,12 @@ if __package__ in (None, ""):  # run as `python tools/slides.py`: make the `tool
 
 from tools.slides_html import (code_html, export_pdf, figure_html, markdown_renderer, page_html,  # noqa: E402
                                 split_result, table_html, terms_html)
-from tools.slides_source import (DIRECTIVE, FENCE, ROOT, SLIDES_DIR, Missing, SlideError, check_deck,  # noqa: E402
-                                 deck_paths, directives, evaluate, forget_results, load_deck, load_glossary,
-                                 parse_target)
+from tools.slides_source import (DIRECTIVE, FENCE, ROOT, SLIDES_DIR, ZH_SLIDES_DIR, Missing, SlideError,  # noqa: E402
+                                 check_deck, deck_paths, directives, evaluate, forget_results, load_deck,
+                                 load_glossary, parse_target)
 
 BUILD_DIR = SLIDES_DIR / "build"
+EDITIONS = ((SLIDES_DIR, BUILD_DIR), (ZH_SLIDES_DIR, BUILD_DIR / "zh"))  # (sources, output) built by default
 
 
 @dataclass
@@ -77,10 +81,10 @@ class BuildReport:
 # ----------------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------------
-def run_directive(kind, caption, target, glossary):
+def run_directive(kind, caption, target, glossary, lang="en"):
     """The HTML a directive stands for; Missing if what it names is not there yet."""
     if kind == "terms":
-        return terms_html(target, glossary)
+        return terms_html(target, glossary, lang)
     module, node, columns = parse_target(target)
     chatter = io.StringIO()  # what the functions print (library logs, warnings): shown only on failure
     try:
@@ -104,7 +108,7 @@ def run_directive(kind, caption, target, glossary):
     return table_html(data, caption, columns)
 
 
-def render_slide(text, md, glossary, pending, number):
+def render_slide(text, md, glossary, pending, number, lang="en"):
     """One slide's HTML; directives that name something missing become a visible 'pending' box."""
     blocks, lines, fence = {}, [], None
     for line in text.splitlines():
@@ -118,7 +122,7 @@ def render_slide(text, md, glossary, pending, number):
         key = f"DSLABDIRECTIVE{len(blocks)}X"
         kind, caption, target = d.group("kind"), (d.group("caption") or "").strip(), d.group("target").strip()
         try:
-            blocks[key] = run_directive(kind, caption, target, glossary)
+            blocks[key] = run_directive(kind, caption, target, glossary, lang)
         except Missing as exc:
             pending.append((number, line.strip(), str(exc)))
             blocks[key] = (f'<div class="pending"><strong>{kind} pending</strong>: {html.escape(str(exc))}'
@@ -140,7 +144,7 @@ def build_deck(path, out_dir=BUILD_DIR, strict=False):
     md, glossary, pending, sections = markdown_renderer(), load_glossary(), [], []
     for i, text in enumerate(deck.slides, 1):
         try:
-            body = render_slide(text, md, glossary, pending, i)
+            body = render_slide(text, md, glossary, pending, i, deck.lang)
         except SlideError as exc:
             raise SlideError(f"{deck.path.name}, slide {i}: {exc}") from exc
         cls = "slide title" if i == 1 else "slide"
@@ -160,21 +164,35 @@ def build_deck(path, out_dir=BUILD_DIR, strict=False):
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
+def deck_jobs(args):
+    """[(deck source, output folder)]: the decks in --src, or by default both editions (slides/ and slides/zh/)."""
+    if args.src is not None:
+        return [(p, Path(getattr(args, "out", None) or BUILD_DIR)) for p in deck_paths(args.src, args.decks)]
+    out = Path(getattr(args, "out", None) or BUILD_DIR)
+    return [(p, out if src == SLIDES_DIR else out / "zh") for src, _ in EDITIONS for p in deck_paths(src, args.decks)]
+
+
+def deck_label(path):
+    """zh/04_zero.md for a Chinese deck, 04_zero.md otherwise."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}" if path.parent.name == "zh" else path.name
+
+
 def cmd_build(args):
     """Build the decks; print one line per deck and a list of what is still pending."""
-    paths = deck_paths(args.src, args.decks)
-    if not paths:
-        print(f"no decks found in {args.src} (expected NN_topic.md files)", file=sys.stderr)
+    jobs = deck_jobs(args)
+    if not jobs:
+        print(f"no decks found in {args.src or SLIDES_DIR} (expected NN_topic.md files)", file=sys.stderr)
         return 1
     t0, pending = time.perf_counter(), []
     forget_results()
-    for p in paths:
+    for p, out in jobs:
         try:
-            rep = build_deck(p, args.out, strict=args.strict)
+            rep = build_deck(p, out, strict=args.strict)
         except SlideError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        pending += [(rep.deck, n, why) for n, _, why in rep.pending]
+        pending += [(deck_label(p), n, why) for n, _, why in rep.pending]
         line = f"{rep.output.relative_to(ROOT) if rep.output.is_relative_to(ROOT) else rep.output}: {rep.slides} slides, {rep.seconds:.1f} s"
         if rep.pending:
             line += f", {len(rep.pending)} pending"
@@ -183,20 +201,20 @@ def cmd_build(args):
             print(f"  {export_pdf(rep.output)}")
     for deck, n, why in pending:
         print(f"pending: {deck} slide {n}: {why}", file=sys.stderr)
-    print(f"{len(paths)} decks in {time.perf_counter() - t0:.1f} s")
+    print(f"{len(jobs)} decks in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
 def cmd_list(args):
     """Each deck with its slide count and directives; with `check`, what each directive still lacks."""
     bad = 0
-    for p in deck_paths(args.src, args.decks):
+    for p, _ in deck_jobs(args):
         deck = load_deck(p)
         problems = {}
         if args.check:
             for n, target, why in check_deck(p):
                 problems.setdefault((n, target), []).append(why)
-        print(f"{p.name}: {len(deck.slides)} slides — {deck.title}")
+        print(f"{deck_label(p)}: {len(deck.slides)} slides — {deck.title}")
         for i, text in enumerate(deck.slides, 1):
             for kind, _, target in directives(text):
                 why = problems.get((i, target))
@@ -215,8 +233,8 @@ def build_parser():
     check = sub.add_parser("check", help="like list, and fail if a directive names a missing function or term")
     for p in (build, lst, check):
         p.add_argument("decks", nargs="*", help="deck names or prefixes (e.g. 04 or 04_zero); default: all")
-        p.add_argument("--src", default=str(SLIDES_DIR), help="folder with the NN_topic.md sources")
-    build.add_argument("--out", default=str(BUILD_DIR), help="output folder (default slides/build)")
+        p.add_argument("--src", help="folder with the NN_topic.md sources (default: slides and slides/zh)")
+    build.add_argument("--out", help="output folder (default slides/build; the zh decks go to its zh/ folder)")
     build.add_argument("--strict", action="store_true", help="fail if a directive names something missing")
     build.add_argument("--pdf", action="store_true", help="also print each deck to PDF with headless Chromium")
     build.set_defaults(func=cmd_build)

@@ -130,13 +130,18 @@ def table_html(data, caption="", columns=()):
     return "".join(out)
 
 
-def terms_html(target, rows):
-    """The named glossary rows as an English / 中文 / meaning table."""
-    body = "".join(
-        f"<tr><td>{html.escape(r['en'])}</td><td lang=zh>{html.escape(r['zh'])}</td><td>{inline(r['meaning'])}</td></tr>"
-        for r in glossary_terms(target, rows)
-    )
-    return f'<table class="dstable terms"><thead><tr><th>English</th><th>中文</th><th>meaning</th></tr></thead><tbody>{body}</tbody></table>'
+def terms_html(target, rows, lang="en"):
+    """The named glossary rows as an English / 中文 / meaning table (a zh deck: 中文 first, the 说明 column)."""
+    terms = glossary_terms(target, rows)
+    if lang == "zh":
+        body = "".join(f"<tr><td>{html.escape(r['zh'])}</td><td lang=en>{html.escape(r['en'])}</td>"
+                       f"<td>{inline(r.get('meaning_zh') or r['meaning'])}</td></tr>" for r in terms)
+        head = "<th>中文</th><th>English</th><th>说明</th>"
+    else:
+        body = "".join(f"<tr><td>{html.escape(r['en'])}</td><td lang=zh>{html.escape(r['zh'])}</td>"
+                       f"<td>{inline(r['meaning'])}</td></tr>" for r in terms)
+        head = "<th>English</th><th>中文</th><th>meaning</th>"
+    return f'<table class="dstable terms"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def inline(text):
@@ -199,10 +204,11 @@ def pygments_css():
 
 
 def page_html(deck, sections):
-    """The whole self-contained HTML document."""
+    """The whole self-contained HTML document (lang zh-CN for a zh deck: Chinese fonts and line breaking)."""
+    lang = "zh-CN" if deck.lang == "zh" else "en"
     return (
         "<!DOCTYPE html>\n"
-        f'<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">\n'
+        f'<html lang="{lang}"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">\n'
         f"<title>{html.escape(deck.title)}</title>\n<style>\n{CSS}\n{pygments_css()}\n</style></head>\n"
         f'<body data-slides="{len(sections)}" data-deck="{html.escape(deck.name)}">\n'
         f'<main id="deck">\n' + "\n".join(sections) + "\n</main>\n"
@@ -214,6 +220,7 @@ CSS = f"""
 @page {{ size: {WIDTH}px {HEIGHT}px; margin: 0; }}
 html, body {{ margin: 0; height: 100%; background: #1d2330; overflow: hidden; }}
 body {{ font-family: "Noto Sans", "DejaVu Sans", "Noto Sans CJK SC", "WenQuanYi Zen Hei", sans-serif; color: #1b1f27; }}
+html:lang(zh-CN) body {{ font-family: "Noto Sans CJK SC", "Noto Sans SC", "WenQuanYi Zen Hei", "Noto Sans", sans-serif; }}
 #deck {{ position: absolute; left: 50%; top: 50%; width: {WIDTH}px; height: {HEIGHT}px;
         transform-origin: center center; transform: translate(-50%, -50%); }}
 section.slide {{ display: none; position: absolute; inset: 0; box-sizing: border-box; width: {WIDTH}px;

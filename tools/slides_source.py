@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SLIDES_DIR = ROOT / "slides"
+ZH_SLIDES_DIR = SLIDES_DIR / "zh"  # the Chinese edition's decks: same names, same directives, Chinese text
 GLOSSARY = ROOT / "docs" / "glossary.md"
 
 # A directive line: ![kind: caption](target). The target runs to the last ")" on the line, so calls with
@@ -44,6 +45,11 @@ class Deck:
     @property
     def name(self):
         return self.path.stem
+
+    @property
+    def lang(self):
+        """'zh' for a deck in slides/zh (any folder named zh), else 'en'."""
+        return "zh" if self.path.parent.name == "zh" else "en"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -286,6 +292,7 @@ def load_glossary(path=GLOSSARY):
             "en": plain(row["english"]),
             "zh": plain(row["中文"]),
             "meaning": row.get("meaning", ""),
+            "meaning_zh": row.get("说明", ""),
             "avoid": [a.strip() for a in re.split(r"[;；、]", plain(avoid)) if a.strip() and a.strip() != "—"],
         })
     return rows

@@ -1,4 +1,5 @@
-"""Render every built deck in headless Chromium: right slide count, first and middle slides not blank."""
+"""Render every built deck, English and Chinese (slides/zh), in headless Chromium: right slide count, first and middle
+slides not blank, no slide overflowing its canvas (the zh decks with Debian's fonts-noto-cjk)."""
 import re
 import subprocess
 import tempfile
@@ -12,9 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = slides_html.find_chromium()
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Debian's chromium for headless rendering: apt-get install -y chromium")
-DECKS = slides_source.deck_paths()
+DECKS = slides_source.deck_paths() + slides_source.deck_paths(slides_source.ZH_SLIDES_DIR)
 W, H = slides_html.WIDTH, slides_html.HEIGHT
 SHOTS = ROOT / "tests" / "browser" / "screenshots"  # kept (gitignored) so a failure can be looked at
+
+
+def key(path):
+    """'04_zero' for an English deck, 'zh/04_zero' for its Chinese twin."""
+    return f"zh/{path.stem}" if path.parent.name == "zh" else path.stem
 
 
 def expected_slides(source):
@@ -35,7 +41,7 @@ def expected_slides(source):
 def built(tmp_path_factory):
     """Every deck built from source into a fresh folder, strictly: every figure and table function runs."""
     out = tmp_path_factory.mktemp("decks")
-    return {p.stem: slides.build_deck(p, out, strict=True).output for p in DECKS}
+    return {key(p): slides.build_deck(p, out / ("zh" if "/" in key(p) else ""), strict=True).output for p in DECKS}
 
 
 def render(html_path, slide, shot):
@@ -65,21 +71,22 @@ def ink(png):
 
 
 def test_the_decks_built_are_the_chapters_notebooks(built):
-    """One deck per notebook, no stray or missing one: the parametrized render tests below cover every chapter."""
+    """One deck per notebook in each edition, no stray or missing one: the render tests below cover every chapter."""
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert sorted(built) == notebooks
+    assert sorted(k for k in built if "/" not in k) == notebooks
+    assert sorted(k for k in built if k.startswith("zh/")) == [f"zh/{n}" for n in notebooks]
 
 
-@pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
+@pytest.mark.parametrize("path", DECKS, ids=[key(p) for p in DECKS])
 def test_deck_renders(path, built):
     n = expected_slides(path.read_text(encoding="utf-8"))
-    html_path = built[path.stem]
+    html_path = built[key(path)]
     assert f'data-slides="{n}"' in html_path.read_text(encoding="utf-8")
     SHOTS.mkdir(parents=True, exist_ok=True)
     middle = n // 2 + 1
     shots = {}
     for slide in (1, middle):
-        shot = SHOTS / f"{path.stem}_{slide}.png"
+        shot = SHOTS / f"{key(path).replace('/', '_')}_{slide}.png"
         shot.unlink(missing_ok=True)
         state = render(html_path, slide, shot)
         # The page's own script saw every slide, opened the one the URL asked for, and fit each on its canvas.
@@ -95,7 +102,7 @@ def test_deck_renders(path, built):
 
 def test_pdf_export_one_page_per_slide(built, tmp_path):
     """Print one deck to PDF (offline, Chromium's print-to-PDF): one 16:9 page per slide."""
-    name = sorted(built)[0]
+    name = sorted(k for k in built if "/" not in k)[0]
     html_path = tmp_path / f"{name}.html"
     html_path.write_bytes(built[name].read_bytes())
     pdf = slides_html.export_pdf(html_path).read_bytes()

@@ -1,0 +1,62 @@
+"""JupyterLab for the Chinese edition: `make lab-zh` (= `python -m tools.zh_lab`), or `make lab` when LANG is zh_*.
+
+It serves notebooks/ and opens in notebooks/zh. Two things differ from the English lab, both set on the command
+line here (see lab_argv), so nothing in the learner's home (~/.jupyter) is read differently or written:
+
+- The UI language. The language pack (jupyterlab-language-pack-zh-cn, a dev dependency) only makes Chinese
+  available; what switches it on is the `locale` setting of `@jupyterlab/translation-extension:plugin`. The kit's
+  tools/zh_lab_settings/overrides.json sets it to zh_CN as a default, and `--LabApp.app_settings_dir` points
+  there. A default, not a user setting: a learner who picks another language in the Settings menu keeps it.
+- The kernel's working directory. The chapters' code finds its files relative to notebooks/ (`runs/05`,
+  `../data/...`, `../pyproject.toml`), which is where Jupyter starts a kernel for notebooks/NN_topic.ipynb. A twin
+  in notebooks/zh/ would start in notebooks/zh/ and miss them; the twins' code must stay the English code, so
+  instead the server starts kernels for notebooks in a `zh` folder in the folder above, next to their English
+  chapters (`--ServerApp.kernel_manager_class=tools.zh_lab.KernelManager`). The server runs in this process, so it
+  can import this module without anything added to PYTHONPATH (which every kernel would inherit).
+Another Jupyter front end (VS Code, nbclient) must likewise run a zh chapter with notebooks/ as its working folder.
+"""
+import os
+import sys
+from pathlib import Path
+
+from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS_DIR = ROOT / "tools" / "zh_lab_settings"  # overrides.json: the translation plugin's locale
+LOCALE = "zh_CN"
+
+
+def english_folder(folder):
+    """The folder a zh chapter's code runs in: the parent of a `zh` folder that sits beside English chapters."""
+    folder = Path(folder)
+    if folder.name == "zh" and any(folder.parent.glob("[0-9][0-9]_*.ipynb")):
+        return folder.parent
+    return folder
+
+
+class KernelManager(AsyncMappingKernelManager):
+    """Jupyter's kernel manager, except that kernels of notebooks in notebooks/zh start in notebooks/."""
+
+    def cwd_for_path(self, path, **kwargs):
+        return os.fspath(english_folder(super().cwd_for_path(path, **kwargs)))
+
+
+def lab_argv(extra=()):
+    """The `jupyter lab` arguments of the Chinese lab; extra ones (say --port 9999) go last."""
+    return [f"--notebook-dir={ROOT / 'notebooks'}", "--ContentsManager.preferred_dir=zh",
+            f"--LabApp.app_settings_dir={SETTINGS_DIR}",
+            "--ServerApp.kernel_manager_class=tools.zh_lab.KernelManager",
+            *extra]
+
+
+def main(argv=None):
+    """Start JupyterLab in Chinese on notebooks/zh (blocks until the server stops)."""
+    from jupyterlab.labapp import LabApp
+
+    if str(ROOT) not in sys.path:  # run as a script: the server imports tools.zh_lab.KernelManager
+        sys.path.insert(0, str(ROOT))
+    LabApp.launch_instance(argv=lab_argv(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
