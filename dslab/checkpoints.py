@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dslab import files
+from dslab.messages import say
 
 STATE_FILE = "dslab_state.json"  # written into each checkpoint: step, world size, zero stage, global batch
 LATEST = "latest"  # the name DeepSpeed's own loaders and zero_to_fp32.py look for
@@ -35,9 +36,7 @@ def find_checkpoints(path):
     for directory in (path, default_dir(path)):
         if (directory / LATEST).is_file():
             return directory
-    raise CheckpointError(f"--resume {path}: no complete checkpoint there (no '{LATEST}' file in {path} nor in "
-                          f"{default_dir(path)}, where a run with --output {path} writes them); write checkpoints "
-                          "with --save-every K, or give --resume the --checkpoint-dir the run used")
+    raise CheckpointError(say("resume.none", path=path, latest=LATEST, default=default_dir(path)))
 
 
 def latest_checkpoint(path):
@@ -79,8 +78,7 @@ def load_checkpoint(engine, path, world_size, zero_stage):
     """
     tag_dir, state = latest_checkpoint(path)
     if state["zero_stage"] != zero_stage:
-        raise CheckpointError(f"checkpoint {tag_dir} was written with ZeRO-{state['zero_stage']}; "
-                              f"resume with --zero {state['zero_stage']}")
+        raise CheckpointError(say("resume.zero_stage", what=f"checkpoint {tag_dir}", stage=state["zero_stage"]))
     tag = tag_dir.name if state["world_size"] == world_size else tag_dir.name + UNIVERSAL_SUFFIX
     engine.load_checkpoint(str(tag_dir.parent), tag=tag, load_module_strict=False)
     return state["step"]
@@ -103,20 +101,16 @@ def check_resume(path, world_size, zero_stage, global_batch):
     """
     tag_dir, state = latest_checkpoint(path)
     if state["zero_stage"] != zero_stage:
-        raise CheckpointError(f"--resume {path}: written with ZeRO-{state['zero_stage']}; "
-                              f"resume with --zero {state['zero_stage']}")
+        raise CheckpointError(say("resume.zero_stage", what=f"--resume {path}", stage=state["zero_stage"]))
     if state["world_size"] == world_size:
         return False
     if zero_stage == 0:
-        raise CheckpointError(f"--resume {path}: written by {state['world_size']} ranks with ZeRO-0, asked for "
-                              f"{world_size}; resume with --world-size {state['world_size']} (a different world size "
-                              "needs a ZeRO 1-3 checkpoint)")
+        raise CheckpointError(say("resume.zero0_world", path=path, saved=state["world_size"], world_size=world_size))
     if global_batch != state["global_batch"]:
         wanted = state["global_batch"]
-        fix = (f"with --world-size {world_size}, choose --micro-batch-size x --grad-accum-steps = {wanted // world_size}"
-               if wanted % world_size == 0 else f"choose a --world-size that divides {wanted}")
-        raise CheckpointError(f"--resume {path}: the checkpoint's global batch is {wanted} examples per step, this "
-                              f"run's is {global_batch}; keep it when changing the world size: {fix}")
+        fix = (say("resume.batch.fix", world_size=world_size, per_rank=wanted // world_size)
+               if wanted % world_size == 0 else say("resume.batch.divide", wanted=wanted))
+        raise CheckpointError(say("resume.batch", path=path, wanted=wanted, global_batch=global_batch, fix=fix))
     universal = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
     if not universal.exists():
         with files.atomic_dir(universal) as tmp:  # complete or absent, like the checkpoints themselves

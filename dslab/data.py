@@ -4,6 +4,8 @@ import json
 import random
 from pathlib import Path
 
+from dslab.messages import say
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 IGNORE_INDEX = -100  # label value that torch's cross-entropy skips: prompt tokens and padding
 
@@ -16,7 +18,7 @@ def load_jsonl(path, required_fields=()):
     """Rows of a JSON-lines file (blank lines skipped); a malformed line raises DataError naming file:line."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file")
+        raise DataError(say("data.no_file", path=path))
     rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -26,14 +28,13 @@ def load_jsonl(path, required_fields=()):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not valid JSON ({err.msg}, column {err.colno}); "
-                                f"each line must be one JSON object such as {{\"query\": \"...\", \"response\": \"...\"}}") from None
+                raise DataError(say("data.not_json", where=where, msg=err.msg, column=err.colno)) from None
             if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(say("data.not_object", where=where, kind=type(row).__name__))
             missing = [k for k in required_fields if row.get(k) is None]
             if missing:
-                raise DataError(f"{where}: missing field {', '.join(repr(k) for k in missing)} "
-                                f"(required: {', '.join(required_fields)}; found: {', '.join(row) or 'none'})")
+                raise DataError(say("data.missing_field", where=where, missing=", ".join(repr(k) for k in missing),
+                                    required=", ".join(required_fields), found=", ".join(row) or say("data.none")))
             rows.append(row)
     return rows
 
@@ -61,8 +62,7 @@ def name_pair(value, option="a name or author"):
         return values[0]
     if len(values) == 2:
         return tuple(values)
-    raise DataError(f"{option} {' '.join(map(str, values))}: give one value (both languages) or two "
-                    "(Chinese, then English)")
+    raise DataError(say("data.name_pair", option=option, values=" ".join(map(str, values))))
 
 
 def general_sft(path=None, limit=None):
@@ -76,8 +76,8 @@ def identity_eval(path=None):
     rows = load_jsonl(path or DATA_DIR / "identity_eval.jsonl", ("query", "lang", "asks"))
     for r in rows:
         if r["asks"] not in ("name", "author") or r["lang"] not in ("en", "zh"):
-            raise DataError(f"{path or DATA_DIR / 'identity_eval.jsonl'}: question {r['query']!r} needs \"lang\": "
-                            f"\"en\"|\"zh\" and \"asks\": \"name\"|\"author\" (got {r['lang']!r}, {r['asks']!r})")
+            raise DataError(say("data.eval_question", path=path or DATA_DIR / "identity_eval.jsonl", query=r["query"],
+                                lang=r["lang"], asks=r["asks"]))
     return rows
 
 
@@ -123,7 +123,7 @@ def sft_example(tokenizer, messages, max_length=None):
         labels += [IGNORE_INDEX] * len(prompt_ids) + answer_ids[:stop] + [IGNORE_INDEX] * (len(answer_ids) - stop)
         done = full
     if not input_ids:
-        raise DataError("a chat without an assistant message has nothing to learn")
+        raise DataError(say("data.no_answer"))
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
     return {"input_ids": input_ids, "labels": labels}

@@ -11,6 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dslab.messages import say
+
 
 def _umask():
     umask = os.umask(0)
@@ -81,18 +83,17 @@ def check_writable(directory, option="--output"):
     """Raise PermissionError (with the fix) unless files can be created where `directory` will be written."""
     path = Path(directory).resolve()
     if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{option} {str(directory)!r} exists and is a file; choose a directory path")
+        raise NotADirectoryError(say("files.is_a_file", option=option, directory=str(directory)))
     parent = _existing_parent(path)
     try:
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as exc:
-        raise PermissionError(f"cannot write under {str(parent)!r} ({exc.strerror}); "
-                              f"choose an {option} directory you can write to") from None
+        raise PermissionError(say("files.not_writable", parent=str(parent), why=exc.strerror, option=option)) from None
 
 
 def check_free_space(directory, needed_bytes, option="--output"):
     """Raise OSError (with the fix) unless the file system that will hold `directory` has `needed_bytes` free."""
     free = shutil.disk_usage(_existing_parent(directory)).free
     if free < needed_bytes:
-        raise OSError(f"{option} {str(directory)!r}: only {free / 2**20:,.1f} MiB free on that disk, about "
-                      f"{needed_bytes / 2**20:,.1f} MiB needed; free some space or choose {option} on another disk")
+        raise OSError(say("files.no_space", option=option, directory=str(directory), free=free / 2**20,
+                          needed=needed_bytes / 2**20))

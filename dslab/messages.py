@@ -215,6 +215,60 @@ CATALOGUE = {
               "world_size {world} came from {source}",
         "zh": "批大小：train_batch_size {total} = micro {micro} x accum {accum} x world {world}；"
               "world_size {world} 来自{source}"},
+    # --- the learner's data (dslab.data)
+    "data.no_file": {"en": "{path}: no such file", "zh": "{path}：文件不存在"},
+    "data.not_json": {
+        "en": "{where}: not valid JSON ({msg}, column {column}); each line must be one JSON object such as "
+              "{{\"query\": \"...\", \"response\": \"...\"}}",
+        "zh": "{where}：不是合法的 JSON（{msg}，第 {column} 列）；每一行都必须是一个 JSON 对象，例如 "
+              "{{\"query\": \"...\", \"response\": \"...\"}}"},
+    "data.not_object": {"en": "{where}: expected a JSON object, got {kind}", "zh": "{where}：应当是 JSON 对象，这里是 {kind}"},
+    "data.missing_field": {"en": "{where}: missing field {missing} (required: {required}; found: {found})",
+                           "zh": "{where}：缺少字段 {missing}（必需：{required}；实际有：{found}）"},
+    "data.none": {"en": "none", "zh": "无"},
+    "data.name_pair": {"en": "{option} {values}: give one value (both languages) or two (Chinese, then English)",
+                       "zh": "{option} {values}：给一个值（中英文共用）或两个值（先中文，后英文）"},
+    "data.eval_question": {
+        "en": "{path}: question {query!r} needs \"lang\": \"en\"|\"zh\" and \"asks\": \"name\"|\"author\" "
+              "(got {lang!r}, {asks!r})",
+        "zh": "{path}：问题 {query!r} 需要 \"lang\": \"en\"|\"zh\" 和 \"asks\": \"name\"|\"author\"（实际是 {lang!r}、{asks!r}）"},
+    "data.no_answer": {"en": "a chat without an assistant message has nothing to learn",
+                       "zh": "没有 assistant 消息的对话没有可学的内容"},
+    # --- where outputs go (dslab.files)
+    "files.is_a_file": {"en": "{option} {directory!r} exists and is a file; choose a directory path",
+                        "zh": "{option} {directory!r} 已存在且是一个文件；请换一个目录路径"},
+    "files.not_writable": {"en": "cannot write under {parent!r} ({why}); choose an {option} directory you can write to",
+                           "zh": "无法在 {parent!r} 下写入（{why}）；请为 {option} 选择一个有写权限的目录"},
+    "files.no_space": {
+        "en": "{option} {directory!r}: only {free:,.1f} MiB free on that disk, about {needed:,.1f} MiB needed; free some "
+              "space or choose {option} on another disk",
+        "zh": "{option} {directory!r}：所在磁盘只剩 {free:,.1f} MiB，大约需要 {needed:,.1f} MiB；请清理空间，"
+              "或把 {option} 放到另一块磁盘上"},
+    # --- resuming (dslab.checkpoints)
+    "resume.none": {
+        "en": "--resume {path}: no complete checkpoint there (no '{latest}' file in {path} nor in {default}, where a "
+              "run with --output {path} writes them); write checkpoints with --save-every K, or give --resume the "
+              "--checkpoint-dir the run used",
+        "zh": "--resume {path}：这里没有完整的检查点（{path} 和 {default} 中都没有 '{latest}' 文件；"
+              "用 --output {path} 运行时检查点写在后者）；请用 --save-every K 保存检查点，"
+              "或把那次运行的 --checkpoint-dir 传给 --resume"},
+    "resume.zero_stage": {"en": "{what}: written with ZeRO-{stage}; resume with --zero {stage}",
+                          "zh": "{what}：它是用 ZeRO-{stage} 写的；请用 --zero {stage} 续训"},
+    "resume.zero0_world": {
+        "en": "--resume {path}: written by {saved} ranks with ZeRO-0, asked for {world_size}; resume with "
+              "--world-size {saved} (a different world size needs a ZeRO 1-3 checkpoint)",
+        "zh": "--resume {path}：它由 {saved} 个 rank 以 ZeRO-0 写出，现在要求 {world_size} 个；请用 --world-size {saved} "
+              "续训（换 world size 需要 ZeRO 1-3 的检查点）"},
+    "resume.batch": {
+        "en": "--resume {path}: the checkpoint's global batch is {wanted} examples per step, this run's is "
+              "{global_batch}; keep it when changing the world size: {fix}",
+        "zh": "--resume {path}：检查点的全局批大小是每步 {wanted} 条样本，本次运行是 {global_batch}；"
+              "改变 world size 时要保持它不变：{fix}"},
+    "resume.batch.fix": {
+        "en": "with --world-size {world_size}, choose --micro-batch-size x --grad-accum-steps = {per_rank}",
+        "zh": "在 --world-size {world_size} 下，让 --micro-batch-size x --grad-accum-steps = {per_rank}"},
+    "resume.batch.divide": {"en": "choose a --world-size that divides {wanted}",
+                            "zh": "选一个能整除 {wanted} 的 --world-size"},
     # --- dslab env (dslab.env.format_report)
     "env.versions": {"en": "versions", "zh": "版本"},
     "env.not_installed": {"en": "not installed", "zh": "未安装"},

@@ -84,3 +84,15 @@ def test_config_check_speaks_chinese_in_a_chinese_locale(tmp_path):
               LANG="zh_CN.UTF-8")
     assert "2 problems" in en.stdout and "did you mean 'zero_optimization.overlap_comm'?" in en.stdout, en.stdout
     assert not CJK.search(en.stdout)
+
+
+def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):
+    from dslab import checkpoints, data
+
+    monkeypatch.setenv("DSLAB_LANG", "zh")
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"query": "你是谁？"}\n', encoding="utf-8")
+    with pytest.raises(data.DataError, match=r"mine.jsonl:1：缺少字段 'response'"):
+        data.load_jsonl(bad, ("query", "response"))
+    with pytest.raises(checkpoints.CheckpointError, match="这里没有完整的检查点.*--save-every K"):
+        checkpoints.find_checkpoints(tmp_path / "run")
