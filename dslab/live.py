@@ -9,6 +9,10 @@ ordinary cells inspect the ranks with `ranks.pull("name")` and `ranks.apply(fn)`
 The ranks stop at `ranks.stop()`, when the kernel exits, and when the kernel dies without exiting
 (killed, or restarted from the notebook): dslab.launch's guard process waits for the kernel to disappear
 and then stops the controller and the engines (the same guard that stops launched jobs).
+
+`live.start(world_size=2, hang_timeout=S)` also watches the ranks while a cell runs on them: if none makes progress
+for S seconds (dslab.launch.hang), every rank's stack and the collective it waits in are printed under the cell,
+kept in `ranks.hang_report`, and the ranks are stopped (a rank blocked in a collective cannot be woken).
 """
 import atexit
 import logging
@@ -16,8 +20,11 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import types
 
+from dslab.launch import hang
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
 
@@ -129,6 +136,9 @@ class Ranks:
         self.view = client[list(range(world_size))]   # engine ids 0..N-1, in rank order
         self.view.block = True
         self.stopped = False
+        self.hang_report = None             # set if the hang watch (start(hang_timeout=...)) stopped the ranks
+        self._stop_lock = threading.Lock()  # the hang watch may stop the ranks from its own thread
+        self._hang_watch = None
 
     def __repr__(self):
         # No port or pid here: a notebook that shows the ranks must show the same text on every run.
@@ -136,7 +146,8 @@ class Ranks:
 
     def _check_running(self):
         if self.stopped:
-            raise RuntimeError("these ranks were stopped; start new ones with dslab.live.start(world_size=...)")
+            why = " after a hang (see ranks.hang_report)" if self.hang_report else ""
+            raise RuntimeError(f"these ranks were stopped{why}; start new ones with dslab.live.start(world_size=...)")
 
     def pull(self, name):
         """The value of variable `name` on every rank, as a list in rank order (values must be picklable)."""
@@ -157,7 +168,11 @@ class Ranks:
         """
         self._check_running()
         args, kwargs = [_by_code(a) for a in args], {k: _by_code(v) for k, v in kwargs.items()}
-        return list(self.view.apply_sync(_by_code(fn), *args, **kwargs))
+        result = self.view.apply_async(_by_code(fn), *args, **kwargs)
+        while not result.wait(0.2):
+            if self.hang_report:   # the ranks hung and were stopped: the report was printed above
+                raise RuntimeError("no rank made progress: the ranks were stopped (report in ranks.hang_report)")
+        return list(result.get())
 
     def apply_async(self, fn, *args, **kwargs):
         """Like apply, without waiting: returns ipyparallel's AsyncResult (`.get(timeout)` -> list in rank order)."""
@@ -169,12 +184,43 @@ class Ranks:
         """This cluster's processes that still run (psutil.Process objects); [] once stopped."""
         return cluster_processes(self.profile_dir)
 
+    def watch_hangs(self, hang_timeout):
+        """While a cell or apply runs on the ranks, stop them if none makes progress for hang_timeout s (see start)."""
+        if self._hang_watch is not None:
+            self._hang_watch.stop.set()
+        def engines():
+            return {rank: process_tree([pid]) for rank, pid in enumerate(self.pids["engines"])}
+
+        def printed():   # what the running tasks printed so far, as the client has received it
+            metadata = self._client.metadata
+            return sum(len(metadata[m]["stdout"]) + len(metadata[m]["stderr"])
+                       for m in list(self._client.outstanding) if m in metadata)
+
+        self._hang_watch = hang.watch_in_background(hang_timeout, engines, lambda: bool(self._client.outstanding),
+                                                    printed, self._stop_hung, "the live ranks")
+
+    def _stop_hung(self, report):
+        self.hang_report = report
+        print(report + "\nThe ranks were stopped: start new ones with dslab.live.start(world_size=...).",
+              file=sys.stderr, flush=True)
+        stop_processes([], process_tree(self.pids["engines"]), STOP_GRACE_S)
+        # A %%px cell waiting for the engines fails once ipyparallel's heartbeat misses them (about 30 s); only then
+        # may the client close, or that cell would wait for a reply forever.
+        deadline = time.monotonic() + 120
+        while self._client.outstanding and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not self._client.outstanding:
+            self.stop()
+
     def stop(self):
         """Stop the engines and the controller (idempotent); free DeepSpeed's shared-memory buffers."""
         global _running
-        if self.stopped:
-            return
-        self.stopped = True
+        with self._stop_lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        if self._hang_watch is not None:
+            self._hang_watch.stop.set()
         if _running is self:
             _running = None
         leaders = [self.pids["controller"], *self.pids["engines"]]
@@ -217,16 +263,20 @@ def running():
     return _running if _running is not None and not _running.stopped else None
 
 
-def start(world_size=2, timeout=300):
+def start(world_size=2, timeout=300, hang_timeout=None):
     """Start `world_size` live ranks (engine i = rank i) and activate %%px; returns a Ranks.
 
     Idempotent within a process: with ranks of this world_size already running it returns them;
     running ranks of another size are stopped first. timeout: seconds the engines may take to come up
-    (they import torch and DeepSpeed: slow on a busy machine).
+    (they import torch and DeepSpeed: slow on a busy machine). hang_timeout: see the module's docstring.
     """
     global _running
+    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+        raise ValueError(problem)
     if running() is not None:
         if _running.world_size == world_size:
+            if hang_timeout is not None:
+                _running.watch_hangs(hang_timeout)
             return _running
         _running.stop()
     if world_size < 1:
@@ -264,6 +314,8 @@ def start(world_size=2, timeout=300):
         shutil.rmtree(profile_dir, ignore_errors=True)
         raise
     _running = ranks
+    if hang_timeout is not None:
+        ranks.watch_hangs(hang_timeout)
     _activate_magics(ranks.view)
     return ranks
 

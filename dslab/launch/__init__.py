@@ -7,6 +7,7 @@ are collected. Whatever is started stops when the process that started it dies, 
     machine.py    free ports, GPUs, this environment's tools, /dev/shm buffers of finished jobs
     guard.py      children die with their owner: the parent-death signal and the guard process (dslab.live too)
     supervise.py  start, follow, stop, name the failing rank, collect (run_job, LaunchResult, LaunchError)
+    hang.py       a job no rank of which makes progress: every rank's stack (py-spy), its collective (dslab.live too)
     commands.py   command lines as typed (run_commands) and sh
     __init__.py   run and torchrun of a dslab recipe or a script
 """
@@ -15,6 +16,7 @@ import os
 import shlex
 from pathlib import Path
 
+from dslab.launch import hang
 from dslab.launch.commands import run_commands, sh
 from dslab.launch.machine import free_port, gpu_count, port_is_free, remove_shm_buffers, remove_stale_shm_buffers, tool
 from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_dir, rank_environment, run_job,
@@ -81,14 +83,18 @@ def check_environment(world_size, include):
 
 
 def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
-        script_args=(), **recipe_kwargs):
+        script_args=(), hang_timeout=None, **recipe_kwargs):
     """Run `recipe` on `world_size` ranks with the deepspeed launcher and return a LaunchResult.
 
     stream: None/"recipe" echoes what the ranks print (DeepSpeed's own log lines hidden), "all" echoes
     everything, False echoes nothing. recipe_kwargs become `--key value` arguments (JSON-encoded);
     script_args are passed through verbatim. Raises LaunchError, with the failing rank's traceback, on failure.
+    hang_timeout: if no rank makes progress for this many seconds, every rank's stack is read with py-spy, the job
+    is stopped and LaunchError names the collective each rank waits in (dslab.launch.hang).
     """
     check_environment(world_size, include)
+    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+        raise LaunchError(problem)   # before the run folder is emptied or anything printed
     remove_stale_shm_buffers()
     name = Path(recipe).stem
     dirs = fresh_run_dir(name, run_dir)
@@ -98,7 +104,8 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     cmd = build_command(recipe, world_size, port, dirs.logs, include, list(script_args) + _recipe_args(recipe_kwargs))
     print("$ " + display_command(cmd), flush=True)
     env = rank_environment(world_size, dirs.results.resolve())
-    return run_job(name, [cmd], [env], dirs, world_size, shower(stream, prefix=world_size > 1), timeout, command=cmd)
+    return run_job(name, [cmd], [env], dirs, world_size, shower(stream, prefix=world_size > 1), timeout, command=cmd,
+                   hang_timeout=hang_timeout)
 
 
 def torchrun(recipe, world_size=2, timeout=300, stream=None, run_dir=None, **recipe_kwargs):

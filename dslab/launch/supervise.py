@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dslab.dist import RESULT_DIR_ENV
 from dslab.files import atomic_write_text
+from dslab.launch import hang
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
 from dslab.launch.machine import gpu_count, remove_stale_shm_buffers
 
@@ -128,14 +129,17 @@ class _Tailer(threading.Thread):
         self.poll()
 
 
-def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None):
+def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None, hang_timeout=None):
     """Start one launcher per command (one per node), show every rank's output, and stop them all as soon as one
-    fails, times out or is interrupted. Returns (rank_logs, launcher outputs, return codes).
+    fails, times out, hangs (no rank made progress for `hang_timeout` s: dslab.launch.hang) or is interrupted.
+    Returns (rank_logs, launcher outputs, return codes).
 
     Rank output comes from the per-rank log files the deepspeed launcher writes into `log_dir`
     (--enable_each_rank_log), and from the launchers' own output through `line_rank(node, line) -> (rank, text)`
     (torchrun --tee prefixes each rank's lines), or None to leave the line out; rank None: shown, not a rank's.
     """
+    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+        raise LaunchError(problem)
     job = f"{os.getpid()}-{uuid.uuid4().hex}"
     outputs, stdout_ranks, procs, readers = [[] for _ in commands], {}, [], []
 
@@ -152,6 +156,11 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None)
     # Every process of the job carries JOB_ENV=job, whatever group it ends up in: the guard stops them if this
     # process dies without doing it (kill -9, a lost terminal, a scheduler), and the stop below finds them all.
     guard = start_guard(marker=(JOB_ENV, job))
+    watch = None
+    if hang_timeout is not None:
+        watch = hang.ProgressWatch(hang_timeout, lambda: hang.ranks_by_env(JOB_ENV, job))
+        envs = [dict(env, **hang.deepspeed_timeout_env(hang_timeout, env)) for env in envs]
+        show = _noting_output(show, watch)
     tailer = _Tailer(str(log_dir), show)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -172,6 +181,11 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(f"{name} did not finish within {timeout} s; all ranks were stopped")
+            if watch is not None and watch.stalled():
+                # the stacks are read while the ranks still wait, before anything is stopped
+                report = hang.hang_report(watch, name)
+                atomic_write_text(Path(log_dir) / "hang.txt", report + "\n")
+                raise LaunchError(f"{report}\nAll ranks were stopped. Per-rank logs and hang.txt: {log_dir}")
             time.sleep(0.1)
     finally:
         # a rank that outlived its launcher must not linger
@@ -190,6 +204,14 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None)
                  for p in glob.glob(str(Path(log_dir) / "*_rank*.log"))}
     rank_logs.update({r: "".join(lines) for r, lines in stdout_ranks.items()})
     return rank_logs, ["".join(o) for o in outputs], [p.returncode for p in procs]
+
+
+def _noting_output(show, watch):
+    """show, which also tells the hang watch that a rank printed: progress."""
+    def noting(rank, line):
+        watch.output()
+        show(rank, line)
+    return noting
 
 
 def failing_rank(rank_logs):
@@ -250,11 +272,13 @@ def collect_results(result_dir, world_size):
     return results
 
 
-def run_job(name, commands, envs, dirs, world_size, show, timeout=None, line_rank=None, command=None):
+def run_job(name, commands, envs, dirs, world_size, show, timeout=None, line_rank=None, command=None,
+            hang_timeout=None):
     """Supervise the launchers `commands` (one per node) of a job on `world_size` ranks, keep their output in
     dirs.run/launcher.log, and return a LaunchResult with the ranks' results (`command`: what it reports as run).
-    Raises LaunchError, naming the rank that failed first, if any launcher fails."""
-    rank_logs, outputs, codes = supervise(name, commands, envs, dirs.logs, show, timeout, line_rank)
+    Raises LaunchError, naming the rank that failed first, if any launcher fails, or where each rank waits if no
+    rank made progress for `hang_timeout` seconds."""
+    rank_logs, outputs, codes = supervise(name, commands, envs, dirs.logs, show, timeout, line_rank, hang_timeout)
     if len(outputs) == 1:
         log = outputs[0]
     else:
