@@ -24,6 +24,12 @@ MULTIRANK = (
     "tests/test_exercises.py::test_solution_is_accepted[01.average_gradients]",  # live ranks, kept for the
     "tests/test_exercises.py::test_wrong_answers_are_rejected[01.average_gradients]",  # next two: all three go
     "tests/test_exercises.py::test_placeholder_and_garbage_are_not_correct[01.average_gradients]",  # together
+    "tests/test_exercises.py::test_solution_is_accepted[12.uneven_fix]",  # runs the script on 2 ranks
+    "tests/test_exercises.py::test_wrong_answers_are_rejected[12.uneven_fix]",  # a hang (10 s watch), a wrong mean
+    "tests/test_comm_bytes.py::test_each_rank_sends_what_deepspeeds_algorithm_predicts",  # these two share one
+    "tests/test_comm_bytes.py::test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas",  # 3-rank launch
+    "tests/test_comm_bytes.py::test_ddp_no_sync_halves_the_bytes_of_two_micro_steps",
+    "tests/test_comm_settings.py::test_each_rank_sends_what_the_settings_predict",  # one 3-rank launch
     "tests/test_faults.py::test_rank_killed_by_a_signal_is_named_and_nothing_is_left",
     "tests/test_faults.py::test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint",
     "tests/test_faults.py::test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve",
@@ -32,6 +38,7 @@ MULTIRANK = (
     "tests/test_hang.py::test_cli_hang_timeout_shows_every_rank_and_its_collective_then_stops_the_job",
     "tests/test_hang.py::test_a_rank_computing_silently_for_twice_the_timeout_is_not_stopped",
     "tests/test_hang.py::test_live_ranks_a_slow_task_runs_and_a_hung_one_is_reported_and_stopped",
+    "tests/test_hf_bridge.py::test_recipe_zero3_then_accelerate_resume_repeats_the_losses",
     "tests/test_launch.py::test_failing_rank_raises_with_its_traceback_and_stops_the_others",
     "tests/test_launch.py::test_the_rank_that_failed_first_is_named_not_the_one_left_waiting",
     "tests/test_launch.py::test_cli_exits_nonzero_fast_on_failure",
@@ -46,6 +53,8 @@ MULTIRANK = (
     "tests/test_memory.py::test_stage1_keeps_full_gradients_stage3_partitions_parameters",  # run (a module
     "tests/test_memory.py::test_offload_optimizer_measured_on_the_host",  # fixture): all slow or none
     "tests/test_memory.py::test_try_config_names_the_rank_error_quietly",  # a launched rank
+    "tests/test_memory_levers.py::test_measured_optimizer_bytes_match_theory_on_two_ranks",  # these two share
+    "tests/test_memory_levers.py::test_bf16_masters_lose_updates_smaller_than_half_a_step",  # one 2-rank launch
     "tests/test_multinode.py::test_two_nodes_equal_one_node",
     "tests/test_sft.py::test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly",
     "tests/test_sft.py::test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
@@ -74,7 +83,11 @@ SLOW = (
     "tests/test_env.py::test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed",
     "tests/test_env.py::test_prepare_is_fast_when_cached",
     "tests/test_exercises.py::test_solution_is_accepted[04.zero3_offload]",
+    "tests/test_exercises.py::test_solution_is_accepted[13.bf16_states]",  # trains a step on a launched rank
     "tests/test_exercises.py::test_wrong_answers_are_rejected[07.init_inference]",
+    "tests/test_exercises.py::test_solution_is_accepted[09.ds_config]",  # TrainingArguments + deepspeed
+    "tests/test_exercises.py::test_wrong_answers_are_rejected[09.ds_config]",
+    "tests/test_hf_bridge.py::test_auto_sources_name_what_the_trainer_fills",  # the same imports
     "tests/test_infer.py::test_cli_json_output",
     "tests/test_infer.py::test_cli_text_file_and_explicit_model_dir",
     "tests/test_lora.py::test_infer_cli_applies_an_adapter_and_refuses_a_bad_one",
@@ -83,13 +96,13 @@ SLOW = (
     "tests/test_models.py::test_build_base_smoke",
     "tests/test_models.py::test_loads_offline_in_a_fresh_process",
     "tests/test_precision.py::test_deepspeed_scaler_replay_and_minimum",
+    "tests/test_zh_edition.py::test_make_test_notebooks_leaves_zh_out",  # collects the notebooks with nbval
     "tests/browser/",
     "tests/gpu/test_gpu.py::test_every_notebook_runs_on_a_gpu",
 )
 
 
 def _matches(nodeid, prefixes):
-    "tests/test_zh_edition.py::test_make_test_notebooks_leaves_zh_out",  # collects the notebooks with nbval
     """True if the node id is one of `prefixes`, a parametrized case of one, or in a listed file or folder."""
     for prefix in prefixes:
         if nodeid == prefix or nodeid.startswith(prefix + "[") or nodeid.startswith(prefix + "::") \

@@ -2,10 +2,11 @@
 
 Rows: wall time of each notebook and of the whole course; DeepSpeed ZeRO-0 step time against a plain PyTorch
 loop on the same model and batches, and every ZeRO stage / offload against ZeRO-0; measured / theory model-state
-memory per stage; SFT identity accuracy and time; generation tokens/s for Hugging Face vs DeepSpeed tp=1 / tp=2.
+memory per stage; SFT identity accuracy and time; generation tokens/s for Hugging Face vs DeepSpeed tp=1 / tp=2;
+training MFU of the kit's step (benchmarks/mfu.py).
 Goals it reports against: the whole course under 10 minutes on 2 CPU cores; ZeRO-0 at most 1.3x plain PyTorch.
 
-    python benchmarks/course_bench.py [--parts notebooks,steps,memory,sft,infer] [--output benchmarks/latest.md]
+    python benchmarks/course_bench.py [--parts notebooks,steps,memory,sft,infer,mfu] [--output benchmarks/latest.md]
 
 Committed notebooks are executed in memory (nbclient) and never written back. Runs go to a temporary folder.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-PARTS = ("notebooks", "steps", "memory", "sft", "infer")
+PARTS = ("notebooks", "steps", "memory", "sft", "infer", "mfu")
 COURSE_GOAL_S = 600       # the whole course, every notebook executed, on 2 CPU cores
 ZERO0_GOAL = 1.3          # DeepSpeed ZeRO-0 step time / plain PyTorch step time
 INFER_PROMPTS = ["The weather today is", "DeepSpeed splits the model", "我们今天去", "Once upon a time"]
@@ -185,6 +186,25 @@ def bench_infer(new_tokens=32):
     return rows
 
 
+# ------------------------------------------------------------------------------------------------- MFU
+def bench_mfu(run_dir):
+    """Training MFU of the kit's step (dslab-tiny, ZeRO-2, 2 ranks): achieved FLOP/s / the matmul ceiling per rank."""
+    from dslab import launch
+
+    result = launch.run(str(ROOT / "benchmarks" / "mfu.py"), world_size=2, stream=False, run_dir=run_dir)
+    r0, runs = result.rank0, result.rank0["runs"]
+    exact = "equals" if r0["profiler_flops"] == r0["forward_flops"] else "DIFFERS from"
+    rows = [row("MFU", f"training MFU ({name}, ZeRO-2)", f"{run['mfu']:.0%}", "",
+                f"{run['achieved_gflops']:.0f} of {run['ceiling_gflops']:.0f} GFLOP/s per rank; "
+                f"{run['step_seconds'] * 1000:.0f} ms per step; 2 ranks x {r0['threads']} thread(s), "
+                f"{r0['micro_batch_size']}x{r0['seq_len']} tokens per rank")
+            for name, run in runs.items()]
+    speed = runs["fp32"]["step_seconds"] / runs["bf16"]["step_seconds"]
+    rows.append(row("MFU", "bf16 / fp32: step speed, MFU", f"{speed:.2f}x, {runs['bf16']['mfu'] / runs['fp32']['mfu']:.2f}x",
+                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.mfu.forward_flops"))
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------- report
 def table(rows):
     """A Markdown table (it reads as plain text in a terminal too)."""
@@ -232,6 +252,8 @@ def main(argv=None):
                         rows += bench_sft(tmp)
                     elif part == "infer":
                         rows += bench_infer()
+                    elif part == "mfu":
+                        rows += bench_mfu(Path(tmp) / "runs")
             except Exception as exc:  # one part failing still leaves the others' numbers
                 rows.append(row(part, "FAILED", type(exc).__name__, "", str(exc).strip().splitlines()[-1][:160]))
             log(f"   {part}: {time.perf_counter() - t0:.0f} s")

@@ -28,6 +28,13 @@ CHAPTERS = (
     Chapter(7, "07_inference", "init_inference, AutoTP tensor parallelism, kernel injection", 2,
             needs=("AutoTP inference",), gpu_cells=("kernel injection",)),
     Chapter(8, "08_cli_and_multinode", "the pipeline from a shell, launchers, a 2-node job on one machine", 2),
+    Chapter(9, "09_hf_trainer", "the Hugging Face Trainer on DeepSpeed, ZeRO-3 loading and saving, accelerate", 2),
+    Chapter(10, "10_communication", "the bytes each rank sends per step: measured, predicted, the paper's ideal", 2,
+            needs=("bf16 training",)),
+    Chapter(11, "11_parallelism", "pipeline, tensor and sequence parallel training; TP x DP on 4 ranks", 4),
+    Chapter(12, "12_debugging_hangs", "jobs that hang: process-group timeout, DETAIL, every rank's stack", 2),
+    Chapter(13, "13_where_time_goes", "the flops profiler, MFU, Muon and bf16 master weights", 2,
+            needs=("bf16 training",)),
 )
 
 

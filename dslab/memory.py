@@ -8,6 +8,7 @@ Three views of the same question, "how many bytes does each rank keep for the mo
 report() puts theory and measured numbers side by side; `dslab estimate` and `dslab measure` print them.
 """
 import contextlib
+import math
 import sys
 
 PARTS = ("params", "grads", "optimizer")  # the three model states, in the paper's order
@@ -32,8 +33,23 @@ QUOTED_BYTES_PER_PARAM = {
         "+ 4 (fp32 master weights) + 8 (Adam)",
 }
 
+# Newer levers on the optimizer states K (chapter 13 measures each on live ranks; DeepSpeed 0.19.8):
+#   optimizer "adam"       a master copy + Adam's two moments (exp_avg, exp_avg_sq): K = 4 + 4 + 4
+#   optimizer "muon"       DeepSpeed's Muon takes the 2-D weight matrices of the layers (not the embeddings or the
+#                          output head): a master copy + ONE momentum buffer each; the other parameters get Adam.
+#                          The momentum has the gradients' dtype under ZeRO 1-3 (bf16: 2 bytes) and is fp32 beside
+#                          the master copy at stage 0 and with offload: K = 4 + f x 2 + (1 - f) x 8 (f: Muon's share)
+#   master_weights "bf16"  bf16.bf16_master_weights_and_grads: the master copy (and the gradient partition the
+#                          optimizer reads) in bf16, 2 bytes
+#   optimizer_states "bf16"  bf16.bf16_optimizer_states: Adam's moments in bf16, 2 + 2
+OPTIMIZERS = ("adam", "muon")
+STATE_DTYPES = ("fp32", "bf16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LEVER_DEFAULTS = {"optimizer": "adam", "master_weights": "fp32", "optimizer_states": "fp32", "muon_fraction": None}
 
-def check_setup(zero_stage, world_size, precision="bf16", offload_optimizer=False, offload_param=False):
+
+def check_setup(zero_stage, world_size, precision="bf16", offload_optimizer=False, offload_param=False,
+                optimizer="adam", master_weights="fp32", optimizer_states="fp32", muon_fraction=None):
     """Raise ValueError naming what is wrong with a ZeRO setup (a stage, world size or offload that cannot be)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -45,27 +61,34 @@ def check_setup(zero_stage, world_size, precision="bf16", offload_optimizer=Fals
         raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (ZeRO-Offload partitions first)")
     if offload_param and zero_stage != 3:
         raise ValueError("offload_param needs ZeRO stage 3: only stage 3 partitions the parameters")
+    check_levers(zero_stage, precision, offload_optimizer, optimizer, master_weights, optimizer_states, muon_fraction)
 
 
-def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimizer=False, offload_param=False):
+def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimizer=False, offload_param=False,
+           optimizer="adam", master_weights="fp32", optimizer_states="fp32", muon_fraction=None):
     """Model-state bytes per rank from the ZeRO paper: {"params", "grads", "optimizer", "total", "offloaded"}.
 
     Ψ = params, N = world_size, K = 12 (mixed-precision Adam): stage 0 (2+2+K)Ψ, stage 1 4Ψ + KΨ/N,
     stage 2 2Ψ + (2+K)Ψ/N, stage 3 (2+2+K)Ψ/N. "total" is on the accelerator; "offloaded" is host memory:
     offload_optimizer moves the optimizer states plus an fp32 copy of the gradient partition there,
-    offload_param (stage 3) moves the parameter partition.
+    offload_param (stage 3) moves the parameter partition. optimizer, master_weights, optimizer_states and
+    muon_fraction change K (see optimizer_bytes): the newer levers of chapter 13.
     """
-    check_setup(zero_stage, world_size, precision, offload_optimizer, offload_param)
+    check_setup(zero_stage, world_size, precision, offload_optimizer, offload_param, optimizer, master_weights,
+                optimizer_states, muon_fraction)
     psi, n, per = float(params), world_size, BYTES_PER_PARAM[precision]
+    k = optimizer_bytes(precision, optimizer, master_weights, optimizer_states, muon_fraction, zero_stage,
+                        offload_optimizer)
     device = {
         "params": per["params"] * psi / (n if zero_stage >= 3 else 1),
         "grads": per["grads"] * psi / (n if zero_stage >= 2 else 1),
-        "optimizer": per["optimizer"] * psi / (n if zero_stage >= 1 else 1),
+        "optimizer": k["total"] * psi / (n if zero_stage >= 1 else 1),
     }
     host = 0.0
     if offload_optimizer:
-        # The optimizer step runs on the CPU: states there, and the gradient partition goes there too.
-        host += device["optimizer"] + HOST_GRAD_BYTES * psi / n
+        # The optimizer step runs on the CPU: states there, and the gradient partition goes there too (in the
+        # master weights' dtype: fp32, or bf16 with bf16 master weights).
+        host += device["optimizer"] + k["host_grads"] * psi / n
         device["optimizer"] = 0.0
         if zero_stage >= 2:
             device["grads"] = 0.0  # stage 1 still keeps full 16-bit gradients until the accumulation boundary
@@ -80,7 +103,6 @@ def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimiz
 
 def _whole(x):
     return int(round(x))
-
 
 
 def comm_volume(params, zero_stage, precision="bf16"):
@@ -141,12 +163,127 @@ def ladder(params, world_size, precision="bf16"):
     return rows
 
 
+# --------------------------------------------------------------------------- newer levers on the optimizer states
+
+def check_levers(zero_stage, precision="bf16", offload_optimizer=False, optimizer="adam", master_weights="fp32",
+                 optimizer_states="fp32", muon_fraction=None):
+    """Raise ValueError for an optimizer / master-weight choice DeepSpeed 0.19.8 refuses or this theory does not cover."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    for name, value in (("master_weights", master_weights), ("optimizer_states", optimizer_states)):
+        if value not in STATE_DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(STATE_DTYPES)}, got {value!r}")
+    if optimizer_states == "bf16" and master_weights != "bf16":
+        raise ValueError("bf16 optimizer states need bf16 master weights: DeepSpeed asserts "
+                         "bf16_optimizer_states requires bf16_master_weights_and_grads; set both")
+    if master_weights == "bf16":
+        if precision != "bf16":
+            raise ValueError(f"bf16 master weights are a key of the bf16 section: precision must be bf16, "
+                             f"got {precision!r}")
+        if zero_stage not in (1, 2, 3):
+            raise ValueError("bf16 master weights need ZeRO stage 1, 2 or 3 (DeepSpeed refuses them at stage 0)")
+        if not offload_optimizer and optimizer_states != "bf16":
+            raise ValueError("bf16 master weights with fp32 optimizer states need offload_optimizer "
+                             "(DeepSpeedCPUAdam): without it DeepSpeed stops with 'Master weights feature requires "
+                             "ZeRO-2 Offload with DeepSpeedCPUAdam'. Offload the optimizer, or add bf16 optimizer "
+                             "states")
+    if optimizer == "muon":
+        if muon_fraction is None or not 0 <= muon_fraction <= 1:
+            raise ValueError("optimizer muon needs muon_fraction, the share of parameters in the layers' 2-D "
+                             f"weight matrices (0 to 1; memory.muon_split counts it for a model), got {muon_fraction!r}")
+        if master_weights != "fp32" or optimizer_states != "fp32":
+            raise ValueError("Muon with bf16 master weights or states is not covered: chapter 13 measured Muon "
+                             "with fp32 master weights only")
+    elif muon_fraction is not None:
+        raise ValueError("muon_fraction applies to optimizer muon only")
+
+
+def optimizer_bytes(precision="bf16", optimizer="adam", master_weights="fp32", optimizer_states="fp32",
+                    muon_fraction=None, zero_stage=1, offload_optimizer=False):
+    """Optimizer-state bytes per parameter, averaged over the model: {"master", "moments", "total", "host_grads"}.
+
+    "total" is K of the ZeRO paper (12 for mixed-precision Adam); "host_grads" is what the gradient partition
+    costs per parameter in host memory when the optimizer is offloaded (it has the master weights' dtype).
+    """
+    check_levers(zero_stage, precision, offload_optimizer, optimizer, master_weights, optimizer_states,
+                 muon_fraction)
+    mixed = precision != "fp32"
+    master = DTYPE_BYTES[master_weights] if mixed else 0  # fp32 training: the weights are their own master copy
+    adam = 2 * DTYPE_BYTES[optimizer_states] if mixed else BYTES_PER_PARAM["fp32"]["optimizer"]
+    if optimizer == "muon":
+        # one momentum buffer: the gradients' dtype on the accelerator under ZeRO 1-3, fp32 beside the master copy
+        momentum = 4 if zero_stage == 0 or offload_optimizer else BYTES_PER_PARAM[precision]["grads"]
+        moments = muon_fraction * momentum + (1 - muon_fraction) * adam
+    else:
+        moments = adam
+    host_grads = DTYPE_BYTES[master_weights] if mixed else HOST_GRAD_BYTES
+    return {"master": master, "moments": moments, "total": master + moments, "host_grads": host_grads}
+
+
+def is_muon_matrix(name, shape):
+    """DeepSpeed's rule (deepspeed.set_optimizer_flags): Muon takes parameters of 2 or more dimensions whose name
+    mentions neither "embed" nor "lm_head"; Adam takes the rest (embeddings, output head, norms, biases)."""
+    return len(shape) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def muon_split(named_shapes):
+    """{"muon": elements, "adam": elements, "muon_fraction", "muon_shapes"} for [(name, shape), ...] of a model."""
+    shapes = [tuple(shape) for name, shape in named_shapes if is_muon_matrix(name, shape)]
+    muon = sum(math.prod(s) for s in shapes)
+    total = sum(math.prod(shape) for _, shape in named_shapes)
+    return {"muon": muon, "adam": total - muon, "muon_fraction": muon / total if total else 0.0,
+            "muon_shapes": shapes}
+
+
+def muon_momentum_elements(shapes, world_size):
+    """Elements of Muon momentum each rank keeps under ZeRO 1-2: every matrix that touches its partition, whole.
+
+    MuonWithAuxAdam orders its matrices by shape, largest first; ZeRO flattens them and cuts the flat buffer
+    (padded to a multiple of 2 x world_size) into equal partitions. Newton-Schulz works on whole matrices, so a
+    matrix cut by a partition boundary is kept whole, with its momentum, by both ranks.
+    """
+    sizes = [math.prod(s) for s in sorted((tuple(s) for s in shapes), reverse=True)]
+    align = 2 * world_size
+    part = -(-sum(sizes) // align) * align // world_size
+    held = []
+    for rank in range(world_size):
+        start, end, offset, elements = rank * part, (rank + 1) * part, 0, 0
+        for size in sizes:
+            if offset < end and offset + size > start:  # the matrix overlaps this rank's partition
+                elements += size
+            offset += size
+        held.append(elements)
+    return held
+
+
+def levers(params, world_size, zero_stage=2, muon_fraction=0.5, precision="bf16"):
+    """Model-state bytes per rank for each optimizer / master-weight choice at one ZeRO stage (theory), with K."""
+    choices = [
+        ("Adam, fp32 master weights (the paper)", False, {}),
+        ("Muon on the matrices, Adam on the rest", False, {"optimizer": "muon", "muon_fraction": muon_fraction}),
+        ("Adam, bf16 master weights + bf16 states", False, {"master_weights": "bf16", "optimizer_states": "bf16"}),
+        ("Adam, fp32 master weights, offload optimizer", True, {}),
+        ("Adam, bf16 master weights, offload optimizer", True, {"master_weights": "bf16"}),
+    ]
+    rows = []
+    for name, offload, choice in choices:
+        k = optimizer_bytes(precision, zero_stage=zero_stage, offload_optimizer=offload, **choice)["total"]
+        t = theory(params, world_size, zero_stage, precision, offload_optimizer=offload, **choice)
+        rows.append({"setup": name, "offload_optimizer": offload, "K": k, **t})
+    return rows
+
+
 def report(params, world_size, zero_stage, precision="bf16", offload_optimizer=False, offload_param=False,
-           measured=None):
-    """The JSON object `dslab estimate` / `dslab measure` print: theory, and measured per rank if given."""
+           measured=None, **choice):
+    """The JSON object `dslab estimate` / `dslab measure` print: theory, and measured per rank if given.
+
+    choice: optimizer, master_weights, optimizer_states, muon_fraction (as theory()); reported when not the
+    paper's (LEVER_DEFAULTS), so a plain report stays what it was.
+    """
     out = {"zero_stage": zero_stage, "world_size": world_size, "params": int(params), "precision": precision,
            "offload_optimizer": bool(offload_optimizer), "offload_param": bool(offload_param),
-           "theory": theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param)}
+           **{key: value for key, value in choice.items() if value != LEVER_DEFAULTS.get(key)},
+           "theory": theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param, **choice)}
     if measured is not None:
         out["measured"] = measured
     return out
@@ -188,11 +325,23 @@ def report_from_results(results, index):
                   first["offload_optimizer"], first["offload_param"], measured)
 
 
+def describe_levers(rep):
+    """", Muon (f = 0.52), bf16 master weights" for a report whose optimizer choice is not the paper's Adam."""
+    words = []
+    if rep.get("optimizer", "adam") == "muon":
+        words.append(f"Muon (f = {rep['muon_fraction']:.2f})")
+    if rep.get("master_weights", "fp32") == "bf16":
+        words.append("bf16 master weights")
+    if rep.get("optimizer_states", "fp32") == "bf16":
+        words.append("bf16 optimizer states")
+    return "".join(f", {w}" for w in words)
+
+
 def format_report(rep):
     """A small text table: theory, then each rank, in MiB, with measured/theory of the total."""
     head = (f"ZeRO-{rep['zero_stage']}, {rep['world_size']} rank(s), Ψ = {rep['params']:,} parameters, "
             f"{rep['precision']}" + (", offload optimizer" if rep["offload_optimizer"] else "")
-            + (", offload params" if rep["offload_param"] else ""))
+            + (", offload params" if rep["offload_param"] else "") + describe_levers(rep))
     cols = ("params", "grads", "optimizer", "total", "offloaded", "buffers")
     big = max(rep["theory"]["total"], rep["theory"]["offloaded"]) >= 2**30
     unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)

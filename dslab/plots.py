@@ -217,3 +217,34 @@ def loss_curve(loss_log, window=8, title="Training loss"):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig, {"step": steps, "loss": losses, "smoothed": smoothed}
+
+
+# ---------------------------------------------------------------------------------------- communication
+
+_COMM_BARS = (("ideal", "ideal (ZeRO paper, ring)", "#b0b0b0"),
+              ("gloo", "DeepSpeed on gloo, predicted", "#4c72b0"),
+              ("measured", "measured (rank 0, socket writes)", "#dd8452"),
+              ("nccl", "DeepSpeed on NCCL, computed", "#55a868"))
+
+
+def comm_bytes_bars(rows, title="Bytes each rank sends per optimizer step"):
+    """Grouped bars per setup: the paper's ideal, DeepSpeed's algorithm on gloo, measured, and on NCCL.
+
+    rows: [{"label", "ideal", "gloo", "measured" (optional), "nccl"}] in units of Ψ (bytes / parameter bytes);
+    data: {"labels", and one list per kind, None where a row has no value}.
+    """
+    fig, (ax,) = _figure(width=9.0, height=3.4)
+    data = {"labels": [row["label"] for row in rows]}
+    for k, (kind, label, color) in enumerate(_COMM_BARS):
+        data[kind] = [row.get(kind) for row in rows]
+        xs = [i + (k - 1.5) * 0.2 for i, v in enumerate(data[kind]) if v is not None]
+        if xs:  # a kind no row has (nothing measured) gets no bars and no key
+            ax.bar(xs, [v for v in data[kind] if v is not None], width=0.19, color=color, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(data["labels"], fontsize=7, rotation=20, ha="right")
+    ax.set_ylim(0, 1.3 * max(v for kind, _, _ in _COMM_BARS for v in data[kind] if v is not None))  # room for the key
+    ax.set_ylabel("Ψ (parameter bytes)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig, data

@@ -1,4 +1,4 @@
-"""Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate` and `measure`.
+"""Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate`, `measure`, `comm`.
 
 The work is done by dslab.env, dslab.config / dslab.config_check, dslab.memory and dslab.zero; this file
 parses the arguments, calls them and prints. Each command returns its exit status.
@@ -14,10 +14,11 @@ from dslab.messages import say
 
 
 def add_commands(subparsers):
-    """`dslab env`, `dslab prepare`, `dslab config check|new`, `dslab estimate` and `dslab measure`."""
+    """`dslab env`, `dslab prepare`, `dslab config check|new`, `dslab estimate`, `dslab measure` and `dslab comm`."""
     _add_env_commands(subparsers)
     _add_config_commands(subparsers)
     _add_memory_commands(subparsers)
+    _add_comm_command(subparsers)
 
 
 # --------------------------------------------------------------------------- env, prepare
@@ -137,14 +138,17 @@ def _print_report(rep, as_json):
 
 
 def _estimate(args):
+    # the optimizer / master-weight levers of chapter 13 (Muon, bf16 master weights and states)
+    choice = {"optimizer": args.optimizer, "master_weights": args.master_weights,
+              "optimizer_states": args.optimizer_states, "muon_fraction": args.muon_fraction}
     try:
         rep = memory.report(args.params, args.world_size, args.zero, args.precision, args.offload_optimizer,
-                            args.offload_param)
+                            args.offload_param, **choice)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _print_report(rep, args.json)
-    if not args.json:
+    if not args.json and not memory.describe_levers(rep):  # DeepSpeed's estimators know only Adam's fp32 states
         est = memory.deepspeed_estimate(args.params, args.world_size, args.zero, args.offload_optimizer,
                                         args.offload_param)
         if est:
@@ -154,9 +158,8 @@ def _estimate(args):
     return 0
 
 
-def _measure(args):
-    from dslab.launch import LaunchError
-
+def _model_shape(args):
+    """tiny_config overrides from the model-shape options (--hidden-size, --layers, --vocab-size, ..., --params)."""
     shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.layers),
                                 ("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size))
              if v is not None}
@@ -164,6 +167,13 @@ def _measure(args):
         shape.update(intermediate_size=zero.hidden_shape(args.hidden_size)["intermediate_size"])
     if args.params is not None:
         shape = zero.shape_for_params(args.params, **{k: v for k, v in shape.items() if k != "hidden_size"})
+    return shape
+
+
+def _measure(args):
+    from dslab.launch import LaunchError
+
+    shape = _model_shape(args)
     if args.model and shape:
         print("error: give either --model PATH or shape options (--hidden-size, --layers, ...), not both",
               file=sys.stderr)
@@ -180,6 +190,50 @@ def _measure(args):
     return 0
 
 
+def _comm(args):
+    from dslab import comm_bytes
+    from dslab.launch import LaunchError
+
+    out = sys.stderr if args.json else sys.stdout  # keep stdout pure JSON
+    try:
+        with contextlib.redirect_stdout(out):
+            reps = comm_bytes.measure(args.zero, args.world_size, args.dtype, args.offload, shape=_model_shape(args),
+                                      grad_accum_steps=args.grad_accum_steps, timeout=args.timeout)
+    except (LaunchError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reps[0] if len(reps) == 1 else reps, indent=2))
+    else:
+        print("\n\n".join(comm_bytes.format_report(rep) for rep in reps))
+    return 0
+
+
+def _add_shape_args(parser):
+    parser.add_argument("--hidden-size", type=int, default=None, help="model shape: hidden size")
+    parser.add_argument("--layers", type=int, default=None, help="model shape: number of layers")
+    parser.add_argument("--vocab-size", type=int, default=None, help="model shape: vocabulary size")
+    parser.add_argument("--intermediate-size", type=int, default=None, help="model shape: MLP width "
+                        "(default ~8/3 x hidden)")
+    parser.add_argument("--params", type=float, default=None, help="pick a hidden size for about this many "
+                        "parameters")
+
+
+def _add_comm_command(subparsers):
+    com = subparsers.add_parser("comm", help="run N real ranks and measure the bytes each sends per optimizer "
+                                "step, next to the ZeRO paper's ideal and DeepSpeed's algorithm")
+    com.add_argument("--zero", type=int, nargs="+", required=True, choices=[0, 1, 2, 3],
+                     help="ZeRO stage(s); several run one after another on the same ranks")
+    com.add_argument("--world-size", type=int, default=2, help="number of data-parallel ranks N")
+    com.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="training dtype")
+    com.add_argument("--offload", action="store_true", help="optimizer (stages 1-3) and parameters (stage 3) to CPU")
+    com.add_argument("--grad-accum-steps", type=int, default=1, help="micro-steps per optimizer step")
+    _add_shape_args(com)
+    com.add_argument("--timeout", type=float, default=900, help="stop all ranks after this many seconds")
+    com.add_argument("--json", action="store_true", help="print the report as JSON")
+    com.set_defaults(func=_comm)
+
+
 def _add_setup_args(parser):
     parser.add_argument("--zero", type=int, required=True, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--world-size", type=int, default=2, help="number of data-parallel ranks N")
@@ -193,19 +247,21 @@ def _add_memory_commands(subparsers):
     est.add_argument("--params", type=float, required=True, help="number of parameters Ψ (1.5e9 works)")
     _add_setup_args(est)
     est.add_argument("--precision", default="bf16", choices=list(memory.BYTES_PER_PARAM))
+    est.add_argument("--optimizer", default="adam", choices=memory.OPTIMIZERS,
+                     help="muon: Muon on the layers' 2-D weight matrices, Adam on the rest (needs --muon-fraction)")
+    est.add_argument("--muon-fraction", type=float, default=None,
+                     help="share of the parameters in the layers' 2-D weight matrices (dslab-tiny: 0.52)")
+    est.add_argument("--master-weights", default="fp32", choices=memory.STATE_DTYPES,
+                     help="bf16: bf16_master_weights_and_grads (needs --optimizer-states bf16 or --offload-optimizer)")
+    est.add_argument("--optimizer-states", default="fp32", choices=memory.STATE_DTYPES,
+                     help="bf16: bf16_optimizer_states, Adam's moments in bf16 (needs --master-weights bf16)")
     est.set_defaults(func=_estimate)
 
     mea = subparsers.add_parser("measure", help="run N real ranks and measure each rank's model-state bytes")
     _add_setup_args(mea)
     mea.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (default: a "
                      "randomly initialised dslab-tiny shape)")
-    mea.add_argument("--hidden-size", type=int, default=None, help="model shape: hidden size")
-    mea.add_argument("--layers", type=int, default=None, help="model shape: number of layers")
-    mea.add_argument("--vocab-size", type=int, default=None, help="model shape: vocabulary size")
-    mea.add_argument("--intermediate-size", type=int, default=None, help="model shape: MLP width "
-                     "(default ~8/3 x hidden)")
-    mea.add_argument("--params", type=float, default=None, help="pick a hidden size for about this many "
-                     "parameters")
+    _add_shape_args(mea)
     mea.add_argument("--steps", type=int, default=2, help="optimizer steps before the snapshot (>= 2)")
     mea.add_argument("--timeout", type=float, default=900, help="stop all ranks after this many seconds")
     mea.set_defaults(func=_measure)

@@ -28,6 +28,18 @@ class Mistake(Exception):
     """Raised by a checker that ran the learner's code: the answer is wrong, and the message names the mistake."""
 
 
+def require_valid_config(cfg, world_size, device="cpu", note=""):
+    """Mistake unless the learner's ds_config is a dict that dslab.config_check finds nothing wrong with (what
+    `dslab config check` would print: up to three problems); `note` is said after "finds"."""
+    from dslab.config_check import check_config
+
+    if not isinstance(cfg, dict):
+        raise Mistake(f"a ds_config is a dict (the JSON object DeepSpeed reads), got {type(cfg).__name__}")
+    problems = check_config(cfg, world_size=world_size, device=device)
+    if problems:  # what DeepSpeed would refuse, or silently ignore
+        raise Mistake(f"dslab.config_check.check_config finds{note}:\n  " + "\n  ".join(str(p) for p in problems[:3]))
+
+
 def exercise(exercise_id, hint, wrong=()):
     """Decorator: register `fn(answer) -> bool` as the checker of `exercise_id`."""
     if not re.fullmatch(r"\d\d\.\w+", exercise_id):
@@ -61,7 +73,7 @@ def expect(exercise_id, expected, hint, wrong=(), rel=1e-3, ordered=True):
     exercise(exercise_id, hint, wrong)(lambda answer: same(answer, expected, rel, ordered))
 
 
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11", "ch12", "ch13")
 
 
 def discover():

@@ -1,7 +1,7 @@
 """Chapter 04 (ZeRO): per-GPU memory by stage, and a ZeRO-3 + offload config run for real.
 
 Solutions: notebooks/solutions/04_solutions.py."""
-from dslab.exercises import Mistake, exercise, expect
+from dslab.exercises import Mistake, exercise, expect, require_valid_config
 from dslab.memory import human
 
 
@@ -52,13 +52,7 @@ _ZERO3_OFFLOAD_WRONG = (  # the mistakes learners make, each named by the checke
            hint="write a dict: zero_optimization with stage 3, offload_optimizer and offload_param, each with "
                 "device \"cpu\"; a batch size, bf16 and an optimizer as in the chapter's ds_config.")
 def _check_zero3_offload(cfg, world_size=2):
-    from dslab.config_check import check_config
-
-    if not isinstance(cfg, dict):
-        raise Mistake(f"a ds_config is a dict (the JSON object DeepSpeed reads), got {type(cfg).__name__}")
-    problems = check_config(cfg, world_size=world_size, device="cpu")
-    if problems:  # what DeepSpeed would refuse, or silently ignore
-        raise Mistake("dslab.config_check.check_config finds:\n  " + "\n  ".join(str(p) for p in problems[:3]))
+    require_valid_config(cfg, world_size)
     zero_cfg = cfg.get("zero_optimization") or {}
     if zero_cfg.get("stage", 0) != 3:
         raise Mistake(f"zero_optimization.stage is {zero_cfg.get('stage', 0)}: parameters are partitioned (and so "

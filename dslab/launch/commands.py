@@ -1,5 +1,6 @@
-"""Command lines as a learner types them: `deepspeed ... train.py ...`, `torchrun ... -m pkg.module ...`, run as
-typed, one per node (run_commands); and any other command through `sh`."""
+"""Command lines as a learner types them: `deepspeed ... train.py ...`, `torchrun ... -m pkg.module ...`,
+`accelerate launch --config_file X.yaml ...`, run as typed, one per node (run_commands); and any other command
+through `sh`."""
 import os
 import re
 import shlex
@@ -10,7 +11,7 @@ from dslab.launch.guard import parent_death_signal
 from dslab.launch.machine import TOOLS_DIR, free_port, gpu_count, remove_stale_shm_buffers, tool
 from dslab.launch.supervise import NOISE, LaunchError, fresh_run_dir, rank_environment, run_job, shower
 
-LAUNCHERS = ("deepspeed", "torchrun")
+LAUNCHERS = ("deepspeed", "torchrun", "accelerate")
 MODULE_FLAGS = ("-m", "--module")  # "run the script as a module": the next argument is its module name
 _TORCHRUN_LINE = re.compile(r"^\[default(\d+)\]:(.*)$")  # what `torchrun --tee 3` prefixes each rank's line with
 
@@ -25,6 +26,8 @@ def split_command(command):
     if not argv or argv[0] not in LAUNCHERS:
         raise LaunchError(f"{command!r}: start the command with one of {', '.join(LAUNCHERS)} "
                           "(environment assignments such as LOCAL_SIZE=1 may come first)")
+    if argv[0] == "accelerate" and argv[1:2] != ["launch"]:
+        raise LaunchError(f"{command!r}: of the accelerate commands only `accelerate launch ...` starts ranks")
     return env, argv
 
 
@@ -88,15 +91,31 @@ def torchrun_layout(options):
     return nnodes * nproc, nproc, node_rank
 
 
+def accelerate_layout(options):
+    """(world size, processes on this node, machine rank) of an `accelerate launch` command: its own options, else
+    its --config_file (accelerate's num_processes counts every machine's processes)."""
+    config = {}
+    config_file = option_value(options, ("--config_file", "--config-file"))
+    if config_file:
+        import yaml
+
+        config = yaml.safe_load(Path(config_file).read_text()) or {}
+    world = int(option_value(options, ("--num_processes", "--num-processes"), config.get("num_processes", 1)))
+    machines = int(option_value(options, ("--num_machines", "--num-machines"), config.get("num_machines", 1)))
+    machine_rank = int(option_value(options, ("--machine_rank", "--machine-rank"), config.get("machine_rank", 0)))
+    return world, world // machines, machine_rank
+
+
 def run_commands(commands, timeout=None, stream=None, run_dir=None, name=None):
     """Run launcher command lines exactly as typed, one per node, and return a LaunchResult.
 
-    Each command is `deepspeed ...` or `torchrun ...` (on CPU the ranks use gloo), optionally preceded by
-    environment assignments. Several commands are the nodes of one job, started together on this machine
-    (`deepspeed --hostfile H --no_ssh --node_rank=i ...`, `torchrun --nnodes 2 --node_rank i ...`). Added where
-    missing, before the script: `--master_port` with a free port (the default, 29500, may belong to another job
-    here), and, so that each rank's output can be shown under its rank, `--enable_each_rank_log DIR` (deepspeed)
-    or `--tee 3` (torchrun). The command printed is the one that runs. Ranks that call
+    Each command is `deepspeed ...`, `torchrun ...` or `accelerate launch ...` (on CPU the ranks use gloo;
+    accelerate runs torchrun inside its own process), optionally preceded by environment assignments. Several
+    commands are the nodes of one job, started together on this machine (`deepspeed --hostfile H --no_ssh
+    --node_rank=i ...`, `torchrun --nnodes 2 --node_rank i ...`). Added where missing, before the script:
+    `--master_port` (accelerate: `--main_process_port`) with a free port (the default, 29500, may belong to another
+    job here), and, so that each rank's output can be shown under its rank, `--enable_each_rank_log DIR`
+    (deepspeed) or `--tee 3` (torchrun, accelerate). The command printed is the one that runs. Ranks that call
     dslab.dist.save_result leave results (LaunchResult.results); if a node fails, every node is stopped
     and LaunchError names the rank that failed first, with its traceback.
     """
@@ -109,16 +128,19 @@ def run_commands(commands, timeout=None, stream=None, run_dir=None, name=None):
     for env, argv in parsed:
         at = script_position(argv)
         added = []
-        if not has_option(argv[:at], "--master_port", "--master-port", "--rdzv-endpoint", "--rdzv_endpoint"):
+        port_options = ("--main_process_port",) if argv[0] == "accelerate" else ("--master_port", "--master-port")
+        if not has_option(argv[:at], *port_options, "--rdzv-endpoint", "--rdzv_endpoint"):
             # 29500, the default, may be taken by another job on this machine: its ranks would meet ours
-            added += ["--master_port", str(free_port())]
+            added += [port_options[0], str(free_port())]
         if argv[0] == "deepspeed" and not has_option(argv[:at], "--enable_each_rank_log"):
             added += ["--enable_each_rank_log", str(dirs.logs)]
-        if argv[0] == "torchrun" and not has_option(argv[:at], "--tee", "-t"):
+        if argv[0] in ("torchrun", "accelerate") and not has_option(argv[:at], "--tee", "-t"):
             added += ["--tee", "3"]
         argv = argv[:at] + added + argv[at:]
         if argv[0] == "deepspeed":
             layouts.append((*deepspeed_layout(argv), None))
+        elif argv[0] == "accelerate":
+            layouts.append(accelerate_layout(argv[:at + len(added)]))
         else:
             layouts.append(torchrun_layout(argv[:at + len(added)]))
         argvs.append(argv)

@@ -1,0 +1,78 @@
+"""Chapter 11 (pipeline and tensor parallelism): the bubble, and a tensor x data parallel config.
+
+Solutions: notebooks/solutions/11_solutions.py."""
+from dslab.exercises import Mistake, exercise, expect
+
+# 4 stages, 12 micro-batches: (p - 1) / (m + p - 1) = 3 / 15 of every stage's time slots are idle.
+expect("11.bubble", 0.2, rel=1e-3, wrong=(0.25, 3 / 13, 1 / 12, 0.75),
+       hint="a 1F1B (or GPipe) step takes m + p - 1 slots per stage, of which m compute: the idle share is "
+            "(p - 1) / (m + p - 1). Check with dslab.pipeline.schedule_bubble(12, 4).")
+# 8 stages, idle share at most 10 %: 7 / (m + 7) <= 0.1 -> m >= 63.
+expect("11.min_micro_batches", 63, wrong=(70, 64, 56, 7, 72),
+       hint="solve (p - 1) / (m + p - 1) <= 0.1 for the smallest whole m with p = 8 stages.")
+
+
+# 11.tp_dp_config: 8 ranks = 4 data-parallel groups of 2 tensor-parallel ranks, ZeRO-1, micro batch 4, and 32
+# distinct samples per optimizer step. The trap: DeepSpeed counts every rank, tensor-parallel ones too, in
+# train_batch_size = micro x accumulation x world_size (runtime/config.py reads dist.get_world_size() when no
+# mpu is given, and AutoTP passes none), while only the 4 groups see different samples.
+WORLD_SIZE, AUTOTP_SIZE, MICRO_BATCH, SAMPLES_PER_STEP = 8, 2, 4, 32
+
+
+def _tp_config(**changes):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+           "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}
+    cfg.update(changes)
+    return cfg
+
+
+_TP_DP_WRONG = (
+    _tp_config(train_batch_size=32),                                   # counted the data-parallel groups only
+    _tp_config(gradient_accumulation_steps=1, train_batch_size=32),    # 4 x 4 = 16 samples per step, not 32
+    _tp_config(tensor_parallel={"tp_size": 2}),                        # init_inference's key: unknown here
+    _tp_config(tensor_parallel={"autotp_size": 4}),                    # 2 data-parallel groups, not 4
+    _tp_config(zero_optimization={"stage": 3}),                        # ZeRO-1 was asked for
+    {k: v for k, v in _tp_config().items() if k != "tensor_parallel"},  # no tensor parallelism at all
+)
+
+
+@exercise("11.tp_dp_config", wrong=_TP_DP_WRONG,
+          hint="a dict with tensor_parallel.autotp_size, zero_optimization.stage 1, a micro batch of 4 and the "
+               "accumulation that makes 32 distinct samples per step; DeepSpeed's batch check counts all 8 ranks.")
+def _check_tp_dp_config(cfg):
+    from dslab.config_check import check_config
+
+    if not isinstance(cfg, dict):
+        raise Mistake(f"a ds_config is a dict (the JSON object DeepSpeed reads), got {type(cfg).__name__}")
+    if isinstance(cfg.get("tensor_parallel"), dict) and "tp_size" in cfg["tensor_parallel"]:
+        raise Mistake("tensor_parallel.tp_size is init_inference's key (chapter 07); for training DeepSpeed reads "
+                      "tensor_parallel.autotp_size, and refuses tp_size there (its pydantic model forbids unknown "
+                      "fields)")
+    micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps", 1)
+    total = cfg.get("train_batch_size")
+    if isinstance(micro, int) and isinstance(accum, int) and total == micro * accum * (WORLD_SIZE // AUTOTP_SIZE):
+        raise Mistake(f"train_batch_size {total} counts the 4 data-parallel groups, but DeepSpeed's check counts every "
+                      f"rank (micro x accumulation x 8 = {micro * accum * WORLD_SIZE}) and refuses the config at "
+                      "deepspeed.initialize; give that product, or leave train_batch_size out")
+    problems = check_config(cfg, world_size=WORLD_SIZE, device="cpu")
+    if problems:  # unknown keys (which DeepSpeed ignores), a batch triple DeepSpeed would refuse, wrong types
+        raise Mistake("dslab.config_check.check_config finds (world_size 8, as DeepSpeed counts):\n  "
+                      + "\n  ".join(str(p) for p in problems[:3]))
+    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if tp != AUTOTP_SIZE:
+        raise Mistake(f"tensor_parallel.autotp_size is {tp}: 8 ranks in 4 data-parallel groups means groups of "
+                      f"{WORLD_SIZE // 4} tensor-parallel ranks")
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage != 1:
+        raise Mistake(f"zero_optimization.stage is {stage}; the task asks for ZeRO-1 (optimizer states sharded "
+                      "over each data-parallel group)")
+    if micro != MICRO_BATCH:
+        raise Mistake(f"train_micro_batch_size_per_gpu is {micro}; the task fixes it at {MICRO_BATCH}")
+    groups = WORLD_SIZE // tp
+    samples = micro * accum * groups
+    if samples != SAMPLES_PER_STEP:
+        raise Mistake(f"each step sees {micro} x {accum} x {groups} data-parallel groups = {samples} distinct "
+                      f"samples (tensor-parallel ranks share theirs), not {SAMPLES_PER_STEP}: change "
+                      "gradient_accumulation_steps")
+    return True

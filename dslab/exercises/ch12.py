@@ -1,0 +1,143 @@
+"""Chapter 12 (jobs that hang): read a hang report, then fix the job so that it finishes with the right answer.
+
+Solutions: notebooks/solutions/12_solutions.py."""
+import contextlib
+import io
+import re
+import tempfile
+from pathlib import Path
+
+from dslab.exercises import Mistake, exercise
+
+# The job of both exercises: 5 samples shared out between 2 ranks, one collective per sample. Rank 0 has three
+# samples and rank 1 two, so rank 0 calls all_reduce once more than rank 1: the job hangs.
+UNEVEN_SCRIPT = '''\
+"""The mean of 5 samples, computed by 2 ranks that take every other sample, one step per sample (as a training
+loop takes one step per batch). Run: deepspeed --num_gpus 2 uneven.py"""
+import deepspeed
+import torch
+import torch.distributed as dist
+
+deepspeed.init_distributed(dist_backend="gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+samples = torch.arange(1.0, 6.0)              # 1, 2, 3, 4, 5: their mean is 3
+shard = samples[rank::world_size]             # rank 0: 1, 3, 5; rank 1: 2, 4
+total = torch.zeros(2)                        # [sum of the samples, how many], over every rank
+for x in shard:                               # one step per sample of this rank's shard
+    step = torch.stack([x, torch.tensor(1.0)])
+    dist.all_reduce(step)                     # this step's sum and count, over the ranks
+    total += step
+dist.barrier()
+if rank == 0:
+    print(f"mean {total[0].item() / total[1].item():.4f} over {total[1].item():.0f} samples", flush=True)
+'''
+HANG_TIMEOUT_S = 10      # the checker's hang watch: well above any silent wait of this tiny job
+RIGHT_MEAN, RIGHT_COUNT = 3.0, 5
+
+
+def _line(text):
+    return next(i for i, line in enumerate(UNEVEN_SCRIPT.splitlines(), 1) if text in line)
+
+
+# 12.read_report: where each rank of UNEVEN_SCRIPT waits, as the hang report says it.
+WHERE_EACH_RANK_WAITS = {0: ("all_reduce", _line("dist.all_reduce(step)")), 1: ("barrier", _line("dist.barrier()"))}
+
+
+def _normal(answer):
+    """{rank: (collective, line)} from a learner's dict; ValueError if it is not one."""
+    if not isinstance(answer, dict):
+        raise TypeError("not a dict")
+    found = {}
+    for rank, value in answer.items():
+        collective, line = value
+        found[int(str(rank).replace("rank", "").strip())] = (str(collective).strip().lower().replace("-", "_"),
+                                                             int(line))
+    return found
+
+
+def check_read_report(answer):
+    """The learner's {rank: (collective, line)} must name, for both ranks, what the hang report names."""
+    try:
+        given = _normal(answer)
+    except (TypeError, ValueError):
+        raise Mistake("answer with a dict {rank: (collective, line)}, e.g. {0: (\"all_reduce\", 12), 1: ...}") \
+            from None
+    if set(given) != set(WHERE_EACH_RANK_WAITS):
+        raise Mistake(f"name both ranks of the job (0 and 1), not {sorted(given)}")
+    for rank, (collective, line) in sorted(given.items()):
+        wanted_collective, wanted_line = WHERE_EACH_RANK_WAITS[rank]
+        if collective != wanted_collective:
+            other = next(r for r in WHERE_EACH_RANK_WAITS if r != rank)
+            swapped = collective == WHERE_EACH_RANK_WAITS[other][0]
+            raise Mistake(f"rank {rank} does not wait in {collective}" + (": ranks swapped? The report lists each "
+                          "rank's own line, `rank N (pid ...): blocked in ...`" if swapped else
+                          ": read the `blocked in ...` part of its line in the report"))
+        if line != wanted_line:
+            raise Mistake(f"rank {rank} waits in {collective}, but not at line {line}: the line is the one after "
+                          "`called from uneven.py:` in the report (the job's own call, not torch's)")
+    return True
+
+
+def _script_text(answer):
+    if not isinstance(answer, str):
+        raise Mistake("answer with the fixed script: its path (\"runs/12/uneven_fixed.py\") or its text")
+    if answer.strip().endswith(".py") and "\n" not in answer.strip():
+        path = Path(answer.strip())
+        if not path.is_file():
+            raise Mistake(f"there is no file {path}: write it first (a %%writefile cell), or answer with its text")
+        return path.read_text(encoding="utf-8")
+    if "all_reduce" not in answer:
+        raise Mistake("that is not the script: the fixed job still sums the samples with dist.all_reduce")
+    return answer
+
+
+def check_uneven_fix(answer):
+    """Run the learner's fixed script on 2 ranks under a hang watch: it must finish, and rank 0 must print the
+    mean of all 5 samples."""
+    from dslab import hangs, launch
+
+    source = _script_text(answer)
+    with tempfile.TemporaryDirectory(prefix="dslab-12-") as tmp:
+        script = Path(tmp) / "uneven_fixed.py"
+        script.write_text(source, encoding="utf-8")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):   # the launch prints its command line: not the verdict
+                result = launch.run(str(script), world_size=2, run_dir=Path(tmp) / "runs", stream=False,
+                                    timeout=300, hang_timeout=HANG_TIMEOUT_S)
+        except launch.LaunchError as err:
+            report = str(err)
+            where = hangs.blocked(report)
+            if where:
+                said = "; ".join(f"rank {r} waits in {w['collective']} at line {w['line']}" for r, w in where.items())
+                raise Mistake(f"it still hangs ({said}): every rank must call all_reduce the same number of "
+                              "times, so the ranks must agree on the number of steps") from None
+            last = [line for line in report.splitlines() if line.strip()][-1]
+            raise Mistake(f"the script failed: {last.strip()}") from None
+    found = re.search(r"mean ([-\d.]+) over (\d+) samples", result.log)
+    if not found:
+        raise Mistake("the job finished, but rank 0 printed no `mean M over N samples` line: keep the last print")
+    mean, count = float(found.group(1)), int(found.group(2))
+    if count != RIGHT_COUNT or abs(mean - RIGHT_MEAN) > 1e-4:
+        raise Mistake(f"the job finished, but with mean {mean:.4f} over {count} samples; the 5 samples' mean is "
+                      f"{RIGHT_MEAN:.4f}: a rank with no sample left still joins the step, adding 0 to the sum "
+                      "and 0 to the count")
+    return True
+
+
+# Wrong fixes a learner might write: each must be refused (tests/test_exercises.py runs them).
+_DROPS_THE_LAST_SAMPLE = UNEVEN_SCRIPT.replace(
+    "for x in shard:                               # one step per sample of this rank's shard",
+    "for x in shard[:len(samples) // world_size]:  # the same number of steps on every rank")
+assert _DROPS_THE_LAST_SAMPLE != UNEVEN_SCRIPT
+
+exercise("12.read_report", wrong=({0: ("barrier", WHERE_EACH_RANK_WAITS[1][1]),
+                                   1: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])},
+                                  {0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1] - 2),
+                                   1: ("barrier", WHERE_EACH_RANK_WAITS[1][1])},
+                                  {0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])}),
+         hint="run it: launch.run(\"runs/12/uneven.py\", world_size=2, hang_timeout=10); each `rank N ...: blocked "
+              "in COLLECTIVE (...), called from uneven.py:LINE` line of the report gives rank N's answer"
+         )(check_read_report)
+exercise("12.uneven_fix", wrong=(UNEVEN_SCRIPT, _DROPS_THE_LAST_SAMPLE),
+         hint="run the same number of steps on every rank (the longest shard's); a rank out of samples adds "
+              "[0, 0] to the step's all_reduce")(check_uneven_fix)

@@ -1,0 +1,157 @@
+"""Tensor-parallel training with DeepSpeed AutoTP: what each rank holds, what it sends, and a one-process twin.
+
+`"tensor_parallel": {"autotp_size": T}` in a ds_config makes deepspeed.initialize split a Hugging Face model's
+linear layers across groups of T ranks (deepspeed/runtime/engine.py, _apply_autotp_partitioning): column-split
+layers (DeepSpeed's LinearLayer: q/k/v, gate/up) keep a slice of the output features, row-split layers
+(LinearAllreduce: o_proj, down_proj) a slice of the input features and all-reduce their partial sums. For
+dslab-tiny the model's own tp_plan also splits the tied embedding and output head by vocabulary rows
+(VocabParallelEmbedding / VocabParallelLinear, with a loss that never gathers the logits). The world's other
+dimension is data parallel: world_size / T groups, each with its own data.
+"""
+# DeepSpeed's tensor-parallel layer classes (deepspeed/module_inject/layers.py) and how each splits its weight.
+SPLITS = {"LinearLayer": "output features (column)", "LinearAllreduce": "input features (row), then all-reduce",
+          "VocabParallelEmbedding": "vocabulary rows", "VocabParallelLinear": "vocabulary rows (tied to the embedding)"}
+
+
+def corpus_batches(count, micro_batch_size=2, seq_len=64):
+    """`count` token batches [micro_batch_size, seq_len] of the kit's own text (data/corpus/valid.txt, in order)."""
+    from dslab import corpus, data, models
+
+    text = (corpus.CORPUS_DIR / "valid.txt").read_text(encoding="utf-8")
+    documents = [d.strip() for d in text.split(corpus.DOC_SEPARATOR) if d.strip()][:200]
+    blocks = data.lm_blocks(models.load_tokenizer(), documents, seq_len)
+    needed = count * micro_batch_size
+    if len(blocks) < needed:
+        raise ValueError(f"the corpus sample holds {len(blocks)} blocks of {seq_len} tokens; {needed} were asked for")
+    return [blocks[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(count)]
+
+
+def train_one_process(model, steps, lr=1e-3):
+    """Plain PyTorch AdamW on a Hugging Face causal LM; `steps` is a list of lists of token batches.
+
+    Each step averages the losses of its batches (what data-parallel ranks do together: each runs one batch, the
+    gradients are averaged) and steps once. Returns each step's list of per-batch losses.
+    """
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    out = []
+    for batches in steps:
+        losses = [model(input_ids=tokens, labels=tokens).loss for tokens in batches]
+        (sum(losses) / len(losses)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append([loss.item() for loss in losses])
+    return out
+
+
+def grouped_batches(steps, groups, micro_batch_size=2, seq_len=64):
+    """`steps` lists of `groups` corpus batches: step s gives data-parallel group g batch s * groups + g."""
+    batches = corpus_batches(steps * groups, micro_batch_size, seq_len)
+    return [batches[s * groups:(s + 1) * groups] for s in range(steps)]
+
+
+def one_process_losses(steps, groups, micro_batch_size=2, seq_len=64, lr=1e-3, model_path=None):
+    """dslab-tiny trained in this process alone on grouped_batches(...): each step's per-group losses."""
+    from dslab import models
+
+    return train_one_process(models.load_model(model_path), grouped_batches(steps, groups, micro_batch_size, seq_len),
+                             lr=lr)
+
+
+def shard_census(module):
+    """What this rank holds of a model AutoTP has split.
+
+    Returns {"layers": [{"name", "class", "local", "full"} for each tensor-parallel layer], "split_local",
+    "split_full": parameters of those layers here / in the whole model, "replicated": parameters every rank keeps
+    whole (norms, the bias of a row-split layer), "local": all parameters here}. Shared tensors are counted once.
+    """
+    layers, seen = [], set()
+    split_local = split_full = 0
+    for name, child in module.named_modules():
+        kind = type(child).__name__
+        if kind not in SPLITS:
+            continue
+        weight = child.weight
+        # DeepSpeed's layers keep the unsplit shape they were built from (layers.py sets _orig_weight_shape)
+        full = tuple(child._orig_weight_shape) if hasattr(child, "_orig_weight_shape") else tuple(weight.shape)
+        layers.append({"name": name, "class": kind, "local": tuple(weight.shape), "full": full})
+        if id(weight) in seen:
+            continue  # the output head tied to the embedding: one tensor
+        seen.add(id(weight))
+        split_local += weight.numel()
+        split_full += _numel(full)
+        bias = getattr(child, "bias", None)
+        if bias is not None and kind == "LinearLayer":  # a column-split layer splits its bias too
+            seen.add(id(bias))
+            split_local += bias.numel()
+            split_full += full[0]
+    unique = {id(p): p for p in module.parameters()}
+    local = sum(p.numel() for p in unique.values())
+    replicated = sum(p.numel() for key, p in unique.items() if key not in seen)
+    return {"layers": layers, "split_local": split_local, "split_full": split_full, "replicated": replicated,
+            "local": local}
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def layout():
+    """This rank's place in the tensor x data grid: {"rank", "tp_rank", "dp_rank", "tp_group", "dp_group"}.
+
+    Valid after deepspeed.initialize with autotp_size > 1 (DeepSpeed's groups hold the grid from then on).
+    """
+    import torch.distributed as tdist
+    from deepspeed.utils import groups
+
+    def members(group):
+        return sorted(tdist.get_process_group_ranks(group))
+
+    return {"rank": tdist.get_rank(), "tp_rank": groups.get_tensor_model_parallel_rank(),
+            "dp_rank": groups.get_data_parallel_rank(),
+            "tp_group": members(groups.get_tensor_model_parallel_group()),
+            "dp_group": members(groups.get_data_parallel_group())}
+
+
+def collectives(raw):
+    """{record name: {"calls", "bytes"}} from the comms logger's records (deepspeed.comm.comms_logger.get_raw_data()).
+
+    A record's name is the op ("all_reduce"), followed by " | [Caller Func: ...]" when the logger's debug option
+    is on. "bytes" adds up each call's message size as the logger records it (the tensor the op was called with).
+    """
+    out = {}
+    for name, by_size in raw.items():
+        entry = out.setdefault(name, {"calls": 0, "bytes": 0})
+        for size, record in by_size.items():
+            entry["calls"] += record[0]
+            entry["bytes"] += size * record[0]
+    return out
+
+
+def train_tp(ds_config, steps, model_path=None):
+    """Run on every rank: AutoTP (+ data parallel) training of dslab-tiny in fp32 on `steps` (lists of token
+    batches, one per data-parallel group); returns this rank's {"layout", "losses", "census", "train_batch_size",
+    "dp_world_size"}. Tensor-parallel ranks of one group take the same batch: that is what they split."""
+    import copy
+
+    import deepspeed
+
+    from dslab import models
+
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(models.load_model(model_path)).train(), config=ds_config)
+    where = layout()
+    losses = []
+    for batches in steps:
+        tokens = batches[where["dp_rank"]].to(engine.device)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    census = shard_census(engine.module)
+    return {"layout": where, "losses": losses, "census": {k: v for k, v in census.items() if k != "layers"},
+            "train_batch_size": engine.train_batch_size(), "dp_world_size": engine.dp_world_size}

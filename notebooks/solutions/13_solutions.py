@@ -1,0 +1,36 @@
+"""Instructor solutions for notebooks/13_where_time_goes.ipynb (checked by tests/test_exercises.py)."""
+from dslab import memory
+
+
+# 13.forward_flops: what DeepSpeed's flops profiler counts for one forward pass of a Qwen2-style model.
+def my_forward_flops(config, batch_size, seq_len):
+    tokens = batch_size * seq_len
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    h, inter = config.hidden_size, config.intermediate_size
+    # q and o: hidden <-> heads x head_dim; k and v: hidden -> kv_heads x head_dim; gate, up, down: hidden <-> inter
+    linear_per_layer = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter
+    attention_per_layer = 4 * batch_size * heads * seq_len * seq_len * head_dim  # Q K^T and A V, the whole square
+    silu_per_layer = tokens * inter
+    layers = config.num_hidden_layers * (2 * tokens * linear_per_layer + attention_per_layer + silu_per_layer)
+    return layers + 2 * tokens * h * config.vocab_size  # + the output head
+
+
+# 13.muon_bytes: Muon on 90 % of the parameters, ZeRO-2, bf16: 4 (fp32 master) + 0.9 x 2 (bf16 momentum)
+# + 0.1 x 8 (Adam's two fp32 moments).
+muon_bytes = memory.optimizer_bytes("bf16", optimizer="muon", muon_fraction=0.9, zero_stage=2)["total"]
+
+# 13.bf16_states: bf16 master weights and bf16 Adam moments on the accelerator: 2 + 2 + 2 bytes per parameter.
+bf16_states = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+    "zero_optimization": {"stage": 2},
+}
+
+SOLUTIONS = {
+    "13.forward_flops": my_forward_flops,
+    "13.muon_bytes": muon_bytes,
+    "13.bf16_states": bf16_states,
+}

@@ -1,0 +1,117 @@
+"""Chapter 09's pieces: which "auto" values the real Trainer fills (dslab.hf_bridge), what a rank holds, the
+`accelerate launch` layout dslab.launch reads, and dslab/recipes/hf_sft.py on 2 ranks under ZeRO-3, resumed by
+`accelerate launch` with the same losses."""
+import json
+import math
+
+import pytest
+
+from dslab import hf_bridge, launch, models
+from dslab.launch.commands import accelerate_layout
+
+# Distinct values, so that each "auto" shows which argument it was filled from.
+ARGS = {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 5, "learning_rate": 7e-4,
+        "max_grad_norm": 0.7, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-7, "weight_decay": 0.01,
+        "warmup_steps": 0.1, "bf16": True}
+
+
+def _every_auto():
+    """A config with "auto" at every key of AUTO_SOURCES, plus one the Trainer never fills."""
+    config = {"zero_optimization": {"stage": 3, "allgather_bucket_size": "auto"}}
+    for key in hf_bridge.AUTO_SOURCES:
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = "auto"
+    config["optimizer"]["type"], config["scheduler"]["type"] = "AdamW", "WarmupDecayLR"
+    return config
+
+
+def test_auto_sources_name_what_the_trainer_fills():
+    resolved = hf_bridge.flatten(hf_bridge.resolve_for_trainer(_every_auto(), hidden_size=128, steps=50, **ARGS))
+    expected = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 15,
+                "gradient_clipping": 0.7, "optimizer.params.lr": 7e-4, "optimizer.params.betas": [0.8, 0.95],
+                "optimizer.params.eps": 1e-7, "optimizer.params.weight_decay": 0.01,
+                "scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": 7e-4,
+                "scheduler.params.warmup_num_steps": 5, "scheduler.params.total_num_steps": 50,
+                "fp16.enabled": False, "bf16.enabled": True, "zero_optimization.reduce_bucket_size": 128 * 128,
+                "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 128 * 128),
+                "zero_optimization.stage3_param_persistence_threshold": 10 * 128}
+    assert set(expected) == set(hf_bridge.AUTO_SOURCES)
+    assert {key: resolved[key] for key in expected} == expected
+    assert resolved["zero_optimization.allgather_bucket_size"] == "auto"  # not the Trainer's: left for DeepSpeed
+
+
+def test_a_literal_that_disagrees_is_refused_naming_both_values():
+    config = {**_every_auto(), "train_micro_batch_size_per_gpu": 4}
+    with pytest.raises(ValueError, match="ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=3"):
+        hf_bridge.resolve_for_trainer(config, **ARGS)
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    assert deepspeed_config() is None  # no ZeRO-3 config left live for a later from_pretrained
+
+
+def test_resolved_autos_lists_each_auto_and_each_added_key():
+    rows = hf_bridge.resolved_autos({"a": "auto", "b": {"c": "auto", "d": 1}},
+                                    {"a": 2, "b": {"c": 3, "d": 1}, "e": True})
+    assert [(r["key"], r["in the file"], r["resolved"]) for r in rows] == [("a", "auto", 2), ("b.c", "auto", 3),
+                                                                           ("e", "(absent)", True)]
+
+
+def test_held_bytes_of_a_model_without_zero():
+    model = models.load_model(dtype="bf16")
+    held = hf_bridge.held_bytes(model)
+    n = sum(p.numel() for p in model.parameters())
+    assert held["whole_numel"] == held["model_numel"] == held["held_numel"] == n and held["partition_numel"] == 0
+    assert held["held_bytes"] == 2 * n
+
+
+def test_accelerate_layout_reads_options_then_the_config_file(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: DEEPSPEED\nnum_machines: 2\nnum_processes: 8\nmachine_rank: 1\n")
+    assert accelerate_layout(["accelerate", "launch", "--config_file", str(config)]) == (8, 4, 1)
+    with_option = ["accelerate", "launch", "--config_file", str(config), "--num_processes", "4"]
+    assert accelerate_layout(with_option) == (4, 2, 1)
+    assert accelerate_layout(["accelerate", "launch"]) == (1, 1, 0)
+    with pytest.raises(launch.LaunchError, match="only `accelerate launch"):
+        launch.run_commands("accelerate config")
+
+
+def test_recipe_zero3_then_accelerate_resume_repeats_the_losses(tmp_path):
+    """2 ranks, ZeRO-3, 4 steps with a checkpoint every 2; then `accelerate launch` resumes at step 2."""
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "train_batch_size": "auto", "bf16": {"enabled": "auto"},
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
+                                       "stage3_gather_16bit_weights_on_model_save": True},
+                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    (tmp_path / "acc.yaml").write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: "
+                                       f"{tmp_path / 'ds.json'}\n  zero3_init_flag: true\nnum_machines: 1\n"
+                                       "num_processes: 2\nmachine_rank: 0\n")
+    common = ("--use_cpu --bf16 --per_device_train_batch_size 4 --learning_rate 2e-3 --max_steps 4 --save_steps 2 "
+              "--logging_steps 1 --disable_tqdm true --report_to none")
+    first = launch.run_commands(f"deepspeed --num_gpus 2 --module dslab.recipes.hf_sft --deepspeed "
+                                f"{tmp_path / 'ds.json'} --output_dir {tmp_path / 'a'} {common}",
+                                run_dir=tmp_path, stream=False)
+    r0 = first.rank0
+    assert r0["zero_stage"] == 3 and r0["global_step"] == 4 and r0["plain_adapter_numel"] == 0
+    ways = r0["load"]["ways"]
+    whole = ways["from_pretrained, no DeepSpeed config"]["whole_numel"]
+    assert ways["HfDeepSpeedConfig(ds_config), not kept"]["whole_numel"] == whole
+    assert ways["dschf = HfDeepSpeedConfig(ds_config), kept"]["partition_numel"] * 2 == whole
+    assert r0["load"]["partitioned_weights_equal_checkpoint"]
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert sum(t.numel() for t in adapter.values()) == r0["trainable"]
+    assert all(t.numel() == 0 for t in load_file(str(tmp_path / "a-naive" / "adapter_model.safetensors")).values())
+    assert (tmp_path / "a" / "checkpoint-2" / "global_step2").is_dir()
+
+    second = launch.run_commands(f"accelerate launch --config_file {tmp_path / 'acc.yaml'} --module "
+                                 f"dslab.recipes.hf_sft --output_dir {tmp_path / 'b'} {common} "
+                                 f"--resume_from_checkpoint {tmp_path / 'a' / 'checkpoint-2'}",
+                                 run_dir=tmp_path, stream=False)
+    losses = [{e["step"]: e["loss"] for e in run.rank0["log_history"] if "loss" in e} for run in (first, second)]
+    assert second.rank0["global_step"] == 4 and len(second.results) == 2
+    assert [losses[1][s] for s in (3, 4)] == [losses[0][s] for s in (3, 4)] and not math.isnan(losses[0][4])

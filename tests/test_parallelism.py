@@ -1,0 +1,60 @@
+"""Chapter 11's library: DeepSpeed's pipeline schedule and its bubble, the one-process twin of a PipelineModule, the
+bubble fit, and the configs and counters of the tensor-parallel and hpZ runs."""
+import pytest
+
+from dslab import hpz, pipeline, tensor_parallel
+
+
+def test_schedule_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    for stages in (2, 3, 5):
+        for m in (1, 2, 3, 7):
+            assert set(pipeline.schedule_bubble(m, stages).values()) == {pipeline.bubble_fraction(m, stages)}
+            for steps in pipeline.schedule(m, stages).values():   # every micro-batch: one forward, one backward
+                names = [n for step in steps for n in step if pipeline.computes([n])]
+                assert sorted(names) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
+    first = pipeline.schedule(4, 2)
+    assert first[0][0] == ["LoadMicroBatch", "F0"] and first[1][0] == []   # stage 1 waits for the first activation
+    assert "OptimizerStep" in first[0][-1] and "OptimizerStep" in first[1][-1]
+    assert pipeline.bubble_table(stages=(2,), micro_batches=(1, 8)) == [{"micro-batches": 1, "2 stages": 0.5},
+                                                                        {"micro-batches": 8, "2 stages": 0.111}]
+
+
+def test_bubble_report_recovers_the_slots_of_a_schedule():
+    slot = 0.05
+    report = pipeline.bubble_report({m: (m + 3 - 1) * slot for m in (1, 2, 4, 8)}, stages=3)
+    assert report["slots"] == pytest.approx(2) and report["slope_s"] == pytest.approx(slot)
+    assert [r["measured_bubble"] for r in report["rows"]] == pytest.approx([r["theory_bubble"] for r in report["rows"]])
+    skewed = pipeline.bubble_report({m: m * slot for m in (1, 2, 4, 8)}, stages=2)   # no bubble at all
+    assert skewed["slots"] == pytest.approx(0, abs=1e-9)
+
+
+def test_sequential_twin_has_the_weights_a_pipeline_module_builds():
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from dslab import train
+
+    train.init_single_process(quiet=True)
+    specs = [LayerSpec(pipeline.Embed, 64, 16), LayerSpec(pipeline.Block, 16, 32), LayerSpec(pipeline.Head, 16, 64)]
+    net = PipelineModule(layers=specs, num_stages=1, loss_fn=pipeline.lm_loss, partition_method="uniform",
+                         seed_layers=True, base_seed=pipeline.BASE_SEED)
+    twin = pipeline.sequential_twin(specs)
+    built = [p for layer in net.forward_funcs for p in layer.parameters()]
+    assert len(built) == len(list(twin.parameters())) > 0
+    assert all(torch.equal(a, b) for a, b in zip(built, twin.parameters()))
+    assert pipeline.stage_parameters(net) == {"layers": ["Embed", "Block", "Head"],
+                                              "params": sum(p.numel() for p in twin.parameters())}
+    other = pipeline.sequential_twin(specs, base_seed=pipeline.BASE_SEED + 1)   # the seed matters
+    assert not torch.equal(next(other.parameters()), next(twin.parameters()))
+
+
+def test_hpz_config_is_valid_and_counters_add_up():
+    from dslab.config_check import check_config
+
+    plain, hier = hpz.zero3_config(), hpz.zero3_config(zero_hpz_partition_size=2)
+    assert check_config(plain, world_size=4, device="cpu") == [] and check_config(hier, world_size=4, device="cpu") == []
+    assert "zero_hpz_partition_size" not in plain["zero_optimization"]
+    assert hier["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert hpz.gathered_bytes([[256, 3], [1024, 2]]) == 256 * 3 + 1024 * 2
+    raw = {"all_reduce | [Caller Func: forward]": {8: [2, [0.1, 0.2], [], []], 16: [1, [0.3], [], []]}}
+    assert tensor_parallel.collectives(raw) == {"all_reduce | [Caller Func: forward]": {"calls": 3, "bytes": 32}}
