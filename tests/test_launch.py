@@ -275,3 +275,12 @@ def test_a_child_in_its_own_session_dies_when_its_owner_is_sigkilled(how):
         owner.kill()
         for proc in guard.processes_with_env(guard.JOB_ENV, marker):
             proc.kill()
+
+
+def test_the_starting_process_place_does_not_reach_the_launcher(monkeypatch, tmp_path):
+    # A kernel or test that ran DeepSpeed in-process has RANK=0, WORLD_SIZE=1, ...: the launcher assigns places
+    # itself, and the hang watch finds a job's ranks by RANK (an inherited one made it read the launcher's stack).
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.setenv(var, "0")
+    env = launch.supervise.rank_environment(2, tmp_path)
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE"} & set(env)

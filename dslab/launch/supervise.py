@@ -35,6 +35,8 @@ _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes uncaught 
 _ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
                    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|Socket Timeout|"
                    r"failed to recv, got 0 bytes", re.I)
+INHERITED_PLACE = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK",
+                   "CROSS_SIZE")
 STOP_GRACE_S = 5  # a stopped launcher's time to stop its ranks before everything left is killed
 
 
@@ -71,7 +73,10 @@ def fresh_run_dir(name, run_dir=None):
 
 def rank_environment(world_size, result_dir):
     """The environment a launcher passes on to `world_size` ranks sharing this machine, results to `result_dir`."""
-    env = dict(os.environ)
+    # A launcher gives each rank its place itself; the place of the process starting it (a notebook kernel or a test
+    # that ran DeepSpeed in-process has RANK=0, WORLD_SIZE=1, ...) must not reach the launcher, nor anything that
+    # finds a job's ranks by their RANK variable (the hang watch).
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_PLACE}
     env[RESULT_DIR_ENV] = str(result_dir)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
