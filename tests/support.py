@@ -1,7 +1,33 @@
 """Helpers several test files share (pytest puts tests/ on sys.path: `from support import ...`)."""
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
 import psutil
+import pytest
 
 from dslab import config
+
+# Debian's chromium, never a browser download, driven by playwright (the optional `browser` extra)
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:
+    sync_playwright = None
+BROWSER_SKIPS = [  # pytestmark of the tests that drive JupyterLab in chromium
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"),
+    pytest.mark.skipif(sync_playwright is None, reason="needs playwright: pip install -e '.[browser]'"),
+]
 
 
 def processes_mentioning(text):
@@ -28,3 +54,67 @@ def valid_config(precision="bf16", **changes):
     """A valid ZeRO-2 config for 2 ranks, then `changes` deep-merged in unchecked (to make bad ones)."""
     cfg = config.make_config(zero_stage=2, precision=precision, micro_batch_size=4, grad_accum_steps=2, world_size=2)
     return config.deep_merge(cfg, changes)
+
+
+@contextlib.contextmanager
+def jupyterlab_server(home, module, settings, cwd, extra_args=(), env=None):
+    """`python -m module` (JupyterLab, or a tool that starts it) on a free localhost port with throwaway user settings
+    under `home` (`settings`: {"@jupyterlab/<plugin>": {...}}): yields (base url, token, server Popen) once it
+    answers; then asks it to shut down (which stops its kernels) and ends every process it started."""
+    from dslab.launch import free_port
+
+    for plugin, values in settings.items():
+        path = Path(home) / "settings" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(env or os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    cmd = [sys.executable, "-m", module, "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--LabApp.user_settings_dir={home / 'settings'}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
+           f"--FileCheckpoints.checkpoint_dir={home / 'checkpoints'}", "--LabApp.news_url=",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
+           *extra_args]
+    if os.geteuid() == 0:  # CI runs as root; JupyterLab refuses root unless told
+        cmd.append("--allow-root")
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, f"{module} exited:\n" + (home / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, \
+                f"{module} did not answer:\n" + (home / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield base, token, server
+    finally:
+        # Kernels run in their own sessions, so killing the server's process group would leave them behind:
+        # note every descendant first, ask the server to shut down (it stops its kernels), then end stragglers.
+        try:
+            family = [server] + psutil.Process(server.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        try:
+            req = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST", data=b"")
+            urllib.request.urlopen(req, timeout=10).close()
+        except OSError:
+            pass
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGTERM)
+        for proc in family:
+            try:
+                proc.wait(timeout=10)
+            except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        log.close()

@@ -10,17 +10,11 @@ appear within 10 s. Screenshots go to tests/browser/screenshots/zero_widget_*.pn
 import json
 import os
 import re
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from support import BROWSER_SKIPS, CHROMIUM, CHROMIUM_ARGS, jupyterlab_server, sync_playwright
 
 from dslab.widgets import STAGES
 
@@ -30,21 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 NOTEBOOK = NOTEBOOKS / "04_zero.ipynb"
 SHOTS = ROOT / "tests" / "browser" / "screenshots"
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-# Debian's chromium, never a browser download; the same switches as the slide test, plus a fresh profile each run
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 TIMEOUT_MS = 600_000  # a loaded 2-core machine: JupyterLab's first load, `import torch`, ranks joining a group
 
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # the optional `browser` extra
-    sync_playwright = None
-
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"),
-    pytest.mark.skipif(sync_playwright is None, reason="needs playwright: pip install -e '.[browser]'"),
-]
+pytestmark = BROWSER_SKIPS
 
 # JupyterLab user settings for the test server only: never autosave (the notebook stays as committed), render
 # every cell (no windowing, so each cell is in the DOM), no news or update checks (nothing leaves localhost).
@@ -54,12 +36,6 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/extensionmanager-extension/plugin": {"enabled": False},
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cell_index(cells, pattern):
@@ -73,65 +49,10 @@ def cell_index(cells, pattern):
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on localhost serving notebooks/; yields (base url, token); shut down with its kernels."""
-    import psutil
-
-    home = tmp_path_factory.mktemp("lab")
-    for plugin, values in LAB_SETTINGS.items():
-        path = home / "settings" / f"{plugin}.jupyterlab-settings"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(values))
-    port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={NOTEBOOKS}",
-           f"--LabApp.user_settings_dir={home / 'settings'}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
-           f"--FileCheckpoints.checkpoint_dir={home / 'checkpoints'}", "--LabApp.news_url=",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly"]
-    if os.geteuid() == 0:  # CI runs as root; JupyterLab refuses root unless told
-        cmd.append("--allow-root")
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen(cmd, cwd=NOTEBOOKS, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, "JupyterLab exited:\n" + (home / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, \
-                "JupyterLab did not answer:\n" + (home / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
+    with jupyterlab_server(tmp_path_factory.mktemp("lab"), "jupyterlab", LAB_SETTINGS, cwd=NOTEBOOKS,
+                           extra_args=[f"--ServerApp.root_dir={NOTEBOOKS}"],
+                           env=dict(os.environ, PYTHONUNBUFFERED="1")) as (base, token, _):
         yield base, token
-    finally:
-        # Kernels run in their own sessions, so killing the server's process group would leave them behind:
-        # note every descendant first, ask the server to shut down (it stops its kernels), then end stragglers.
-        try:
-            family = [server] + psutil.Process(server.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            family = []
-        try:
-            req = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST", data=b"")
-            urllib.request.urlopen(req, timeout=10).close()
-        except OSError:
-            pass
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGTERM)
-        for proc in family:
-            try:
-                proc.wait(timeout=10)
-            except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        log.close()
 
 
 READ_WIDGET = """root => {
