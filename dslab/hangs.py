@@ -15,12 +15,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from dslab.launch import hang
+from dslab.launch.supervise import TORCH_PREFIX
 
 # `  File "/path/to/train.py", line 21, in <module>`: one frame of a Python traceback
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.MULTILINE)
 # the exception that ended the rank, e.g. `RuntimeError: [...] Timed out waiting 8000ms for recv operation ...`
 _EXCEPTION = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception): .*$", re.MULTILINE)
-_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.MULTILINE)   # torch prefixes an uncaught traceback's lines itself
 # TORCH_DISTRIBUTED_DEBUG=DETAIL's first sentence, about the rank that raised. What follows ("but Rank M is running
 # collective: ...") is not rank M's collective (rank M's own first sentence says what it ran), so it is not read.
 _FINGERPRINT = re.compile(r"(?<=collectives on ranks\. )Rank (\d+) is running collective: "
@@ -46,7 +46,7 @@ def traceback_summary(log_text):
     """What one rank's log says about how it ended: {"error": the exception line, "collective": the collective
     its traceback ends in (or None), "file": the job's own file, "line": its line, "function": ...}, or None when the
     log holds no traceback. The job's own frame is the innermost one outside Python and the installed packages."""
-    text = _TORCH_PREFIX.sub("", log_text)
+    text = TORCH_PREFIX.sub("", log_text)  # torch prefixes an uncaught traceback's lines with [rankN]:
     start = text.rfind("Traceback (most recent call last)")
     if start < 0:
         return None

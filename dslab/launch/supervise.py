@@ -30,7 +30,7 @@ NOISE = re.compile(
     r"|^\[\d+/\d+\] "
     r"|^Time to load \S+ op:"
 )
-_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes uncaught tracebacks itself
+TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes uncaught tracebacks itself
 # How a rank fails when another rank died first: these are echoes, not causes.
 _ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
                    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|Socket Timeout|"
@@ -123,7 +123,7 @@ class _Tailer(threading.Thread):
             # only complete lines; a partial one waits for the next poll
             complete = chunk[: chunk.rfind(b"\n") + 1]
             self.offsets[path] = self.offsets.get(path, 0) + len(complete)
-            text = _TORCH_PREFIX.sub("", complete.decode("utf-8", "replace"))
+            text = TORCH_PREFIX.sub("", complete.decode("utf-8", "replace"))
             for line in text.splitlines():
                 self.show(_rank_of(path), line)
 
@@ -205,7 +205,7 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None,
         for r in readers:
             r.join(timeout=5)
         remove_stale_shm_buffers()
-    rank_logs = {_rank_of(p): _TORCH_PREFIX.sub("", Path(p).read_text(errors="replace"))
+    rank_logs = {_rank_of(p): TORCH_PREFIX.sub("", Path(p).read_text(errors="replace"))
                  for p in glob.glob(str(Path(log_dir) / "*_rank*.log"))}
     rank_logs.update({r: "".join(lines) for r, lines in stdout_ranks.items()})
     return rank_logs, ["".join(o) for o in outputs], [p.returncode for p in procs]
