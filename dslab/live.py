@@ -24,6 +24,8 @@ import threading
 import time
 import types
 
+import psutil
+
 from dslab.launch import hang
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
@@ -203,9 +205,10 @@ class Ranks:
         self.hang_report = report
         print(report + "\nThe ranks were stopped: start new ones with dslab.live.start(world_size=...).",
               file=sys.stderr, flush=True)
-        stop_processes([], process_tree(self.pids["engines"]), STOP_GRACE_S)
-        # A %%px cell waiting for the engines fails once ipyparallel's heartbeat misses them (about 30 s); only then
-        # may the client close, or that cell would wait for a reply forever.
+        # The engines only: each engine's nanny (its child) sees it die and tells the controller at once, so a %%px
+        # cell waiting for them fails within a second instead of when the heartbeat gives up (about 30 s). Only
+        # then may the client close, or that cell would wait for a reply forever; stop() ends the nannies.
+        stop_processes([], [p for p in process_tree(self.pids["engines"]) if not _is_nanny(p)], STOP_GRACE_S)
         deadline = time.monotonic() + 120
         while self._client.outstanding and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -241,6 +244,14 @@ class Ranks:
         shutil.rmtree(self.profile_dir, ignore_errors=True)
         # DeepSpeed's CPU all-reduce maps a buffer per rank in /dev/shm and never unlinks it.
         remove_shm_buffers(self.master_port)
+
+
+def _is_nanny(proc):
+    """True for an engine's nanny: the ipyparallel helper that reports its engine's exit to the controller."""
+    try:
+        return "ipyparallel.engine.nanny" in proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def cluster_processes(profile_dir):

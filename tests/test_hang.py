@@ -162,8 +162,9 @@ except RuntimeError as exc:
     out["error"], out["error_after"] = str(exc), time.monotonic() - start
 deadline = time.monotonic() + 150   # the watch stops the cluster once ipyparallel has failed the task
 while (ranks.processes() or not ranks.stopped) and time.monotonic() < deadline:
-    time.sleep(1)
-out.update(report=ranks.hang_report, stopped=ranks.stopped, left=[p.pid for p in ranks.processes()])
+    time.sleep(0.5)
+out.update(report=ranks.hang_report, stopped=ranks.stopped, left=[p.pid for p in ranks.processes()],
+           stopped_after=time.monotonic() - start)
 try:
     ranks.pull("x")
 except RuntimeError as exc:
@@ -187,6 +188,8 @@ def test_live_ranks_a_slow_task_runs_and_a_hung_one_is_reported_and_stopped(tmp_
     assert re.search(r"^  rank 1 \(pid \d+\): blocked in barrier \(.*\), called from .*\(skip\)$", report, re.M)
     assert report in proc.stderr                      # printed where the task was waiting
     assert out["stopped"] and out["left"] == []
+    # each engine's nanny tells the controller its engine died: no wait for the heartbeat to give up (about 30 s)
+    assert out["stopped_after"] - out["error_after"] < 15
     assert "stopped after a hang" in out["after"]
 
 
