@@ -260,7 +260,7 @@ def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_fini
     """`setsid dslab sft ...` ended by `kill -9 -PGID` (what a lost terminal or a job scheduler does): only
     `dslab sft` is in that group, yet within 5 s no launcher and no rank of the run is left (the launcher, in a
     session of its own, gets SIGTERM from the kernel when dslab dies, and dslab's guard stops the rest); then
-    `dslab sft --resume` finishes the run from its last checkpoint."""
+    `dslab sft --resume OUTPUT` (the run's own --output) finds OUTPUT-checkpoints and finishes the run."""
     identity = _identity_file(tmp_path)
     output, checkpoints = tmp_path / "adapter", tmp_path / "adapter-checkpoints"
     common = ["--output", str(output), "--data", str(identity), "--mix-general", "0", "--epochs", "10",
@@ -280,8 +280,10 @@ def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_fini
     assert guard.wait_gone(job, timeout=5), "launcher or ranks still running 5 s after kill -9 -PGID"
     assert_no_strays(str(output))
     assert not output.exists()  # no adapter that looks finished
+    # the ranks' logs sit beside the output, as its checkpoints do, not in the directory the run started from
+    assert (tmp_path / "adapter-logs").is_dir() and not (tmp_path / "runs").exists()
 
-    resumed = _sft_cli(*common, "--resume", str(checkpoints), cwd=tmp_path)
+    resumed = _sft_cli(*common, "--resume", str(output), cwd=tmp_path)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert f"saved the adapter to {output}" in out and "20 steps" in out, out[-3000:]

@@ -3,7 +3,6 @@ whose adapter loads in plain PEFT, merges, and resumes from a checkpoint to the 
 is the mean over every label token; logs and checkpoints go beside the output, where --resume finds them."""
 import json
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -275,53 +274,3 @@ def test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and
         per_batch = sum(model(**b).loss.item() for b in micro) / len(micro)
     assert abs(per_batch - total / n_tokens) > 1e-4
 
-
-# ---- fault injection: the whole job killed at a checkpoint, then resumed from its --output ---------------------
-def kill_job_at_checkpoint(step, output, **options):
-    """`sft.run(output, **options)` (with save_every set), SIGKILLed as a whole as soon as its checkpoint of `step`
-    is complete: the launcher and every rank at once, as the OOM killer or a lost node would. Returns the
-    LaunchError the launcher raised and the number of processes killed."""
-    import psutil
-
-    from dslab import launch
-
-    latest = Path(options.get("checkpoint_dir") or checkpoints.default_dir(output)) / "latest"
-    outcome = {}
-
-    def job():
-        try:
-            outcome["result"] = sft.run(output, **options)
-        except launch.LaunchError as exc:
-            outcome["error"] = exc
-
-    def reached():  # written by this run (not left by an earlier one) and naming that step
-        return latest.exists() and latest.stat().st_mtime >= started and latest.read_text().strip() == f"step{step}"
-
-    started = time.time()
-    thread = threading.Thread(target=job)
-    thread.start()
-    while thread.is_alive() and not reached():
-        time.sleep(0.02)
-    victims = []
-    for proc in psutil.process_iter(["cmdline"]):  # every process of this job has `--output OUTPUT` on its command line
-        if str(output) in (proc.info["cmdline"] or []):
-            victims.append(proc)
-    for proc in victims:
-        proc.kill()
-    thread.join()
-    assert "error" in outcome, f"the run ended before its step-{step} checkpoint could be interrupted"
-    return outcome["error"], len(victims)
-
-
-def test_a_job_killed_at_its_checkpoint_resumes_given_its_output_directory(base_dir, identity_file, tmp_path,
-                                                                           monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    output = tmp_path / "adapter"
-    common = dict(model=str(base_dir), data=str(identity_file), mix_general=0, world_size=1, epochs=8,
-                  micro_batch_size=2, lora_r=4, lora_alpha=8, stream=False, timeout=300)
-    _, killed = kill_job_at_checkpoint(2, output, save_every=2, **common)  # 8 chats / 2 per step: 32 steps
-    assert killed >= 2 and not output.exists()  # the launcher and the rank; no adapter that looks finished
-    assert (tmp_path / "adapter-logs").is_dir() and not (tmp_path / "runs").exists()
-    resumed = sft.run(output=output, resume=str(output), **common)  # --resume OUTPUT: finds OUTPUT-checkpoints
-    assert resumed["start_step"] >= 2 and resumed["loss_log"][0]["step"] == resumed["start_step"] + 1
-    assert (output / models.ADAPTER_WEIGHTS).exists()
