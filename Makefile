@@ -9,8 +9,8 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-browser test-decks-if-chromium test-widget-if-chromium test-gpu slides bench \
-        chromium clean
+.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-browser test-decks-if-chromium \
+        test-widget-if-chromium test-gpu slides bench chromium clean
 
 setup: $(STAMP)
 
@@ -41,7 +41,7 @@ lab-zh: setup
 # when it ends (--output-sync), not interleaved. The ZeRO widget's browser test comes last, on a quiet machine:
 # it times each re-measurement (under 10 s).
 test: setup
-	@echo "unit tests, notebooks and decks side by side (about 19 minutes on 2 cores); each one's output comes when it ends"
+	@echo "unit tests, notebooks and decks side by side (about 21 minutes on 2 cores); each one's output comes when it ends"
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit test-notebooks test-decks-if-chromium
 	$(MAKE) --no-print-directory test-widget-if-chromium
 
@@ -74,12 +74,14 @@ test-browser: setup chromium
 	$(BIN)/python -m pytest -q tests/browser
 
 # Without chromium the browser tests are skipped with a one-line note (make chromium installs it).
+WIDGET_TEST := tests/browser/test_zero_widget.py
+
 test-decks-if-chromium: setup
-	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser --ignore=tests/browser/test_zero_widget.py; \
+	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser --ignore=$(WIDGET_TEST); \
 	else echo "browser tests skipped: no chromium here (make chromium installs Debian's, or run make test-browser)"; fi
 
 test-widget-if-chromium: setup
-	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser/test_zero_widget.py; fi
+	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q $(WIDGET_TEST); fi
 
 bench: setup
 	$(BIN)/python benchmarks/course_bench.py
