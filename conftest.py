@@ -32,9 +32,8 @@ MULTIRANK = (
     "tests/test_comm_settings.py::test_each_rank_sends_what_the_settings_predict",  # one 3-rank launch
     "tests/test_faults.py::test_rank_killed_by_a_signal_is_named_and_nothing_is_left",
     "tests/test_faults.py::test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint",
-    "tests/test_faults.py::test_kill_9_mid_run_then_resume_continues_the_uninterrupted_loss_curve",
     "tests/test_faults.py::test_kill_9_of_the_command_takes_the_launcher_and_ranks_with_it",
-    "tests/test_faults.py::test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_finishes",
+    "tests/test_faults.py::test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_continues_the_loss_curve",
     "tests/test_hang.py::test_cli_hang_timeout_shows_every_rank_and_its_collective_then_stops_the_job",
     "tests/test_hang.py::test_a_rank_computing_silently_for_twice_the_timeout_is_not_stopped",
     "tests/test_hang.py::test_live_ranks_a_slow_task_runs_and_a_hung_one_is_reported_and_stopped",
