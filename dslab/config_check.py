@@ -163,7 +163,8 @@ def _walk(value, section, path, problems):
                 continue
             hint = difflib.get_close_matches(str(key), sorted(section["keys"]), n=1, cutoff=0.6)
             level = say("check.level.in", path=path) if path else say("check.level.top")
-            problems.add(where, say("check.unknown_key", key=key, level=level),
+            problems.add(where, say("check.unknown_key.refused", key=key, level=level) if section["refuses_unknown"]
+                         else say("check.unknown_key", key=key, level=level),
                          say("check.did_you_mean", hint=_join(path, hint[0])) if hint else
                          say("check.unknown_key.fix", level=level, keys=", ".join(sorted(section["keys"]))))
             continue

@@ -1,8 +1,9 @@
 """The keys DeepSpeed reads, level by level, found by running DeepSpeed's own config readers.
 
-DeepSpeed ignores keys it does not read (a typo such as "zero_optimisation" just means "no ZeRO"), so the list
-comes from the installed DeepSpeed itself, not from a copy typed in by hand: schema() records every key it
-looks up, with the kinds of values and the pydantic models that validate its sections;
+DeepSpeed ignores keys it does not read at the top level (a typo such as "zero_optimisation" just means "no ZeRO")
+and refuses unknown keys inside the sections its pydantic models validate, but only once every rank runs
+deepspeed.initialize. So the list comes from the installed DeepSpeed itself, not from a copy typed in by hand:
+schema() records every key it looks up, with the kinds of values and the pydantic models that validate its sections;
 optimizer_param_keys() and signature_keys() read what "optimizer.params" and "scheduler.params" may hold from
 the signatures of the classes DeepSpeed builds. dslab.config_check compares a config with them.
 """
@@ -14,10 +15,11 @@ _EXTRA_TOP_KEYS = {"sequence_parallel_size": "posint", "data_parallel_size": "po
 _PROBE = "__dslab_probe__"
 
 
-def _section(keys=(), kinds=None, children=None, removed=None, deprecated=None):
-    """One level of the config: its keys, their kinds ("bool", "int", ...), nested sections, retired keys."""
+def _section(keys=(), kinds=None, children=None, removed=None, deprecated=None, refuses_unknown=False):
+    """One level of the config: its keys, their kinds ("bool", "int", ...), nested sections, retired keys, and
+    whether DeepSpeed refuses a key it does not know there (a pydantic model) or ignores it (a plain dict)."""
     return {"keys": set(keys), "kinds": dict(kinds or {}), "children": dict(children or {}),
-            "removed": dict(removed or {}), "deprecated": dict(deprecated or {})}
+            "removed": dict(removed or {}), "deprecated": dict(deprecated or {}), "refuses_unknown": refuses_unknown}
 
 
 def _model_section(model):
@@ -27,7 +29,8 @@ def _model_section(model):
 
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-    section = _section()
+    # DeepSpeedConfigModel forbids extra fields: an unknown key fails deepspeed.initialize with a ValidationError.
+    section = _section(refuses_unknown=model.model_config.get("extra") == "forbid")
     for name, field in model.model_fields.items():
         names = {name} | ({field.alias} if field.alias else set())
         section["keys"] |= names

@@ -29,14 +29,14 @@ def _default_permissions(root):
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def atomic_write_text(path, text):
-    """Write `text` to `path` (UTF-8) through a temp file renamed onto it; returns the Path."""
+def atomic_write_bytes(path, data):
+    """Write `data` to `path` through a temp file renamed onto it; returns the Path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         _default_permissions(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -44,6 +44,11 @@ def atomic_write_text(path, text):
             os.unlink(tmp)
         raise
     return path
+
+
+def atomic_write_text(path, text):
+    """Write `text` to `path` (UTF-8), atomically (see atomic_write_bytes)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path, obj, **dumps_kwargs):

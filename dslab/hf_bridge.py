@@ -187,9 +187,10 @@ def zero3_report(trainer, model_path):
     beside the adapter), and the three ways of loading."""
     import torch
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from dslab import lora
+    from dslab.files import atomic_write_bytes
 
     engine, output_dir = trainer.model_wrapped, trainer.args.output_dir
     if trainer.is_world_process_zero():  # first, while every weight is released: a forward leaves some gathered
@@ -204,9 +205,7 @@ def zero3_report(trainer, model_path):
     with torch.no_grad():  # every rank runs the forward: ZeRO-3 gathers each layer from all of them
         logits = engine(input_ids=lora.probe_ids(engine.module.config.vocab_size)).logits.float()
     if trainer.is_world_process_zero():
-        tmp = os.path.join(output_dir, ".probe_logits.tmp")
-        save_file({"logits": logits.contiguous()}, tmp)
-        os.replace(tmp, os.path.join(output_dir, "probe_logits.safetensors"))
+        atomic_write_bytes(os.path.join(output_dir, "probe_logits.safetensors"), save({"logits": logits.contiguous()}))
     hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
     out["load"] = load_measurements(model_path, hf_config.config, trainer_config=hf_config)
     return out

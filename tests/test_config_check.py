@@ -150,6 +150,30 @@ def test_misspelled_keys_at_every_level_get_a_suggestion(path, typo, meant):
     assert p.fix == f"did you mean {(path + '.' + meant) if path else meant!r}?"
 
 
+@pytest.mark.parametrize("path,typo", [("", "zero_optimisation"), ("zero_optimization", "overlap_com"),
+                                       ("zero_optimization.offload_optimizer", "pin_memroy"), ("bf16", "enable")])
+def test_an_unknown_key_is_said_to_be_ignored_or_refused_as_deepspeed_itself_does(path, typo):
+    """DeepSpeed skips a top-level key it does not read, but its pydantic sections forbid extra keys: there the
+    typo fails deepspeed.initialize on every rank. The message says which, checked against DeepSpeedConfig."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    cfg = C.make_config(zero_stage=2, offload_optimizer=True, world_size=1)
+    node = cfg
+    for part in [p for p in path.split(".") if p]:
+        node = node[part]
+    node[typo] = 1
+    p = only_problem(CC.check_config(cfg, world_size=1, device="any"), f"{path}.{typo}" if path else typo)
+    try:
+        DeepSpeedConfig(copy.deepcopy(cfg))
+        refused = False
+    except ValidationError as err:
+        assert typo in str(err) and "Extra inputs are not permitted" in str(err)
+        refused = True
+    assert refused == (path != "")
+    assert ("DeepSpeed refuses it" in p.problem) == refused and ("silently ignores" in p.problem) == (not refused)
+
+
 def test_unknown_key_without_a_close_match_lists_the_known_ones():
     p = only_problem(CC.check_config(good(zero_optimization={"xyz": 1}), world_size=2), "zero_optimization.xyz")
     assert "stage" in p.fix and "offload_optimizer" in p.fix
