@@ -1,5 +1,6 @@
 """dslab.launch: failures surface with the failing rank's traceback and leave no process behind;
 results come back per rank; a taken master port is replaced; recipe arguments parse as documented."""
+import json
 import os
 import re
 import socket
@@ -37,6 +38,7 @@ torch_dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which is g
 """
 
 REPORTING = """
+import json
 import os
 from dslab import dist
 args = dist.recipe_args(tag="none", numbers=[])
@@ -275,6 +277,38 @@ def test_a_child_in_its_own_session_dies_when_its_owner_is_sigkilled(how):
         owner.kill()
         for proc in guard.processes_with_env(guard.JOB_ENV, marker):
             proc.kill()
+
+
+# The guard as `python -m dslab.launch guard` runs it, after the system clock was stepped by one second (NTP does
+# that): every wall-clock process start time psutil computes moves with the boot time it adds.
+CLOCK_STEPPED_GUARD = """
+import json, sys
+from psutil import _pslinux
+from dslab.launch import guard
+boot_time = _pslinux.boot_time
+_pslinux.boot_time = lambda: boot_time() + 1.0
+guard.watch(json.loads(sys.argv[1]), poll=0.05)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="steps the clock as psutil reads it on Linux")
+def test_a_clock_step_is_not_the_owners_death():
+    from dslab.launch import guard
+
+    marker = f"test-{os.getpid()}-clock"
+    child = subprocess.Popen(["sleep", "300"], env={"PATH": "/usr/bin:/bin", guard.JOB_ENV: marker},
+                             start_new_session=True)
+    spec = {"owner": os.getpid(), "groups": [], "marker": [guard.JOB_ENV, marker], "remove": [], "master_port": None}
+    watcher = subprocess.Popen([sys.executable, "-c", CLOCK_STEPPED_GUARD, json.dumps(spec)])
+    try:
+        time.sleep(3)   # the guard has polled its owner about 60 times by now
+        assert watcher.poll() is None, "the guard took a clock step for its owner's death"
+        assert child.poll() is None, "the guard stopped a job whose owner runs"
+    finally:
+        watcher.kill()
+        child.kill()
+        watcher.wait()
+        child.wait()
 
 
 def test_the_starting_process_place_does_not_reach_the_launcher(monkeypatch, tmp_path):

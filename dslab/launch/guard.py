@@ -128,27 +128,25 @@ def start_guard(groups=(), marker=None, remove=(), master_port=None):
     groups: process groups to stop; marker: (name, value) of the environment variable every process to stop
     carries; remove: folders to delete afterwards; master_port: the job whose /dev/shm buffers go too.
     """
-    owner = psutil.Process()
-    spec = {"owner": owner.pid, "owner_started": owner.create_time(), "groups": list(groups),
-            "marker": list(marker) if marker else None, "remove": [str(p) for p in remove],
-            "master_port": master_port}
+    spec = {"owner": os.getpid(), "groups": list(groups), "marker": list(marker) if marker else None,
+            "remove": [str(p) for p in remove], "master_port": master_port}
     return subprocess.Popen([sys.executable, "-m", "dslab.launch", "guard", json.dumps(spec)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 
 
-def _owner_alive(pid, started):
-    try:
-        owner = psutil.Process(pid)
-        return abs(owner.create_time() - started) < 1 and is_running(owner)  # the same process, not a reused pid
-    except psutil.NoSuchProcess:
-        return False
+def _owner_alive(owner_pid):
+    # The guard is the owner's child: when the owner exits, however it exits, the kernel gives the guard another
+    # parent (init or a subreaper). No start times compared: a wall-clock one moves whenever the system clock is
+    # adjusted (psutil adds the boot time, which /proc/stat gives to the second), and a 1 s step read as the owner's
+    # death once stopped a healthy job.
+    return os.getppid() == owner_pid
 
 
 def watch(spec, poll=0.2, grace=2.0):
     """The guard's loop (`python -m dslab.launch guard SPEC`): wait until the owner has gone, then stop its
     children and remove what they left. The grace is short: a job whose owner died has nobody to report to."""
-    while _owner_alive(spec["owner"], spec["owner_started"]):
+    while _owner_alive(spec["owner"]):
         time.sleep(poll)
     procs = process_tree(spec["groups"])
     if spec["marker"]:

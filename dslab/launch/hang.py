@@ -69,7 +69,7 @@ class ProgressWatch:
 
     def restart(self):
         """Forget the history: the window starts now (the ranks are starting, or live ranks start a new cell)."""
-        self.cpu = {}             # (pid, start time) -> (rank, CPU seconds at its last reading): the dead keep theirs
+        self.cpu = {}             # process -> (rank, CPU seconds at its last reading): the dead keep theirs
         self.samples = deque()    # (time, {rank: CPU seconds of all its processes so far}), oldest first
         self.last_output = self.last_sample = self.clock()
 
@@ -93,7 +93,9 @@ class ProgressWatch:
             for proc in procs:
                 try:
                     used = proc.cpu_times()
-                    self.cpu[(proc.pid, proc.create_time())] = (rank, used.user + used.system)
+                    # keyed by the process itself: psutil tells processes apart by pid and start time since boot,
+                    # which a change of the system clock does not move
+                    self.cpu[proc] = (rank, used.user + used.system)
                 except psutil.Error:
                     pass  # it ended between the listing and now: its last reading stays
         totals = {}
