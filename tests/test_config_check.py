@@ -158,12 +158,9 @@ def test_an_unknown_key_is_said_to_be_ignored_or_refused_as_deepspeed_itself_doe
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
-    cfg = C.make_config(zero_stage=2, offload_optimizer=True, world_size=1)
-    node = cfg
-    for part in [p for p in path.split(".") if p]:
-        node = node[part]
-    node[typo] = 1
-    p = only_problem(CC.check_config(cfg, world_size=1, device="any"), f"{path}.{typo}" if path else typo)
+    key = f"{path}.{typo}" if path else typo
+    cfg = with_value(C.make_config(zero_stage=2, offload_optimizer=True, world_size=1), key, 1)
+    p = only_problem(CC.check_config(cfg, world_size=1, device="any"), key)
     try:
         DeepSpeedConfig(copy.deepcopy(cfg))
         refused = False
