@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dslab import models
 from dslab.files import atomic_dir, check_writable
+from dslab.messages import say
 from dslab.models import ADAPTER_WEIGHTS, DTYPES, AdapterError, check_adapter_state, is_adapter_key
 
 # Every linear layer of a Qwen2/Llama block (PEFT's and ms-swift's "all-linear"), not the output head.
@@ -116,14 +117,14 @@ def save_adapter(model, output_dir, rank=None, extra_files=None):
 
     state = adapter_state_dict(model)  # collective under ZeRO-3
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    check_adapter_state(state, where="the adapter about to be saved")
+    check_adapter_state(state, where=say("adapter.where_saving"))
     if rank == 0:
         config = model.peft_config["default"]
         with atomic_dir(output_dir) as tmp:
             config.save_pretrained(str(tmp))
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS),
                       metadata={"format": "pt"})
-            check_adapter_state(load_file(str(tmp / ADAPTER_WEIGHTS)), where="the adapter written to disk")
+            check_adapter_state(load_file(str(tmp / ADAPTER_WEIGHTS)), where=say("adapter.where_written"))
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
     return sum(v.numel() for v in state.values())
@@ -141,9 +142,7 @@ def save_full_model(model, tokenizer, output_dir, rank=None):
         if rank == 0:
             empty = [n for n, p in model.named_parameters() if p.numel() == 0]
             if empty:
-                raise AdapterError(f"refusing to save a model with size-0 weights (e.g. {empty[0]!r}); these are ZeRO-3 "
-                                   "placeholders: the weights were not gathered. Fix: call save_full_model on every "
-                                   "rank (it gathers under ZeRO-3) or save from a non-ZeRO process")
+                raise AdapterError(say("lora.placeholders", example=empty[0]))
             with atomic_dir(output_dir) as tmp:
                 model.save_pretrained(str(tmp))
                 tokenizer.save_pretrained(str(tmp))
@@ -184,7 +183,7 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
     import torch
     from transformers import AutoModelForCausalLM
 
-    say = print if verbose else (lambda *a, **k: None)
+    show = print if verbose else (lambda *a, **k: None)
     check_writable(output_dir)
     saved_dtype = models.torch_dtype(dtype)
     # float32: the check below sees the merge's error only
@@ -199,7 +198,7 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
         diff = (merged(input_ids=ids).logits - reference).abs().max().item()
     if not diff <= tolerance:
         raise MergeError(f"merged logits differ from base+adapter by {diff:.3g} (> {tolerance}); nothing written")
-    say(f"merged logits match base+adapter: max |diff| = {diff:.1e} <= {tolerance:g}")
+    show(f"merged logits match base+adapter: max |diff| = {diff:.1e} <= {tolerance:g}")
     merged = merged.to(saved_dtype)
     weights = {k: v.clone() for k, v in merged.state_dict().items()}
     with atomic_dir(output_dir) as tmp:
@@ -213,7 +212,7 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
             rounding = (reloaded.float()(input_ids=ids).logits - reference).abs().max().item()
         if dtype == "fp32" and not rounding <= tolerance:
             raise MergeError(f"the merged model read back from disk differs by {rounding:.3g}; nothing written")
-    say(f"saved in {DTYPES[dtype]}, read back with plain transformers: same weights "
+    show(f"saved in {DTYPES[dtype]}, read back with plain transformers: same weights "
         f"(run in float32: max |logit diff| to base+adapter {rounding:.1e}); wrote {output_dir}")
     return {"max_abs_diff": diff, "saved_dtype": DTYPES[dtype], "dtype_rounding": rounding,
             "adapter_parameters": adapter_params, "model_parameters": sum(p.numel() for p in merged.parameters()),

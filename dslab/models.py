@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from dslab.files import atomic_dir
+from dslab.messages import say
 from dslab.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401 (re-exported)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "dslab-tiny"
@@ -28,8 +29,7 @@ def torch_dtype(name):
     import torch
 
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}: dslab names formats by string "
-                         "(torch dtypes only where torch is called)")
+        raise ValueError(say("dtype.unknown", name=name, choices=", ".join(DTYPES)))
     return getattr(torch, DTYPES[name])
 
 
@@ -123,25 +123,23 @@ _EMBEDDING_KEYS = ("embed_tokens.weight", "embed_tokens.base_layer.weight", "lm_
                    "lm_head.base_layer.weight", "wte.weight", "embed_out.weight")
 
 
-def check_adapter_state(state_dict, where="adapter"):
-    """Raise AdapterError unless `state_dict` holds real (non-empty) LoRA tensors, and not a whole model."""
+def check_adapter_state(state_dict, where=None):
+    """Raise AdapterError unless `state_dict` holds real (non-empty) LoRA tensors, and not a whole model.
+
+    where: what the message calls the tensors (default: "adapter", in the learner's language)."""
+    where = where or say("adapter.where_plain")
     if not state_dict:
-        raise AdapterError(f"{where} holds no tensors at all: nothing was trained or saved. "
-                           "Check target_modules and that the adapter was saved after training.")
+        raise AdapterError(say("adapter.empty", where=where))
     empty = sorted(k for k, v in state_dict.items() if v.numel() == 0)  # sorted: the same example every time
     if empty:
-        raise AdapterError(
-            f"{where} has {len(empty)} size-0 tensors (e.g. {empty[0]!r} with shape {tuple(state_dict[empty[0]].shape)}). "
-            "These are ZeRO-3 placeholders: the weights were saved without gathering the partitions. "
-            "Save with dslab.lora.save_adapter (gathers under ZeRO-3) or from a non-ZeRO process.")
+        raise AdapterError(say("adapter.placeholders", where=where, n=len(empty), example=empty[0],
+                               shape=tuple(state_dict[empty[0]].shape)))
     lora_keys = [k for k in state_dict if is_adapter_key(k)]
     foreign = [k for k in state_dict if not is_adapter_key(k) and not k.endswith(_EMBEDDING_KEYS)]
     if not lora_keys or foreign:
         example = (foreign or list(state_dict))[0]
-        raise AdapterError(
-            f"{where} is not a LoRA adapter: {len(state_dict) - len(lora_keys)} of {len(state_dict)} tensors are plain "
-            f"model weights (e.g. {example!r}). This looks like a full model's state dict; load it as the model "
-            "(--model DIR), not as an adapter.")
+        raise AdapterError(say("adapter.full_state", where=where, plain=len(state_dict) - len(lora_keys),
+                               total=len(state_dict), example=example))
 
 
 def _looks_like_full_model(path):
@@ -155,21 +153,19 @@ def read_adapter(adapter_dir):
     path = Path(adapter_dir)
     if path.is_file():
         if path.suffix == ".safetensors":  # someone pointed at a weights file: say what it holds
-            check_adapter_state(load_file(str(path)), where=f"{str(adapter_dir)!r}")
-        raise AdapterError(f"{str(adapter_dir)!r} is a file; pass the adapter directory that holds "
-                           f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+            check_adapter_state(load_file(str(path)), where=repr(str(adapter_dir)))
+        raise AdapterError(say("adapter.is_file", path=str(adapter_dir), config=ADAPTER_CONFIG, weights=ADAPTER_WEIGHTS))
     if not path.is_dir():
-        raise AdapterError(f"adapter directory {str(adapter_dir)!r} does not exist")
+        raise AdapterError(say("adapter.missing", path=str(adapter_dir)))
     if not (path / ADAPTER_CONFIG).exists():
         if _looks_like_full_model(path):
-            raise AdapterError(f"{str(adapter_dir)!r} is a full model (config.json + weights), not a LoRA adapter: "
-                               "pass it as --model, or pass the adapter directory (with adapter_config.json).")
-        raise AdapterError(f"{str(adapter_dir)!r} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
+            raise AdapterError(say("adapter.full_model", path=str(adapter_dir)))
+        raise AdapterError(say("adapter.no_config", path=str(adapter_dir), config=ADAPTER_CONFIG))
     weights = path / ADAPTER_WEIGHTS
     if not weights.exists():  # so PEFT, which prefers safetensors, never falls back to a pickled .bin
-        raise AdapterError(f"{str(adapter_dir)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+        raise AdapterError(say("adapter.no_weights", path=str(adapter_dir), config=ADAPTER_CONFIG, weights=ADAPTER_WEIGHTS))
     state = load_file(str(weights))
-    check_adapter_state(state, where=f"adapter {str(adapter_dir)!r}")
+    check_adapter_state(state, where=say("adapter.where", path=str(adapter_dir)))
     config = json.loads((path / ADAPTER_CONFIG).read_text())
     return config, state
 
@@ -192,13 +188,11 @@ def check_adapter_fits(base, state, adapter_dir):
         try:
             module = base.get_submodule(layer)
         except AttributeError:
-            raise AdapterError(f"adapter {str(adapter_dir)!r} adapts {layer}, which this base model does not have: "
-                               "pass the base it was trained on as --model") from None
+            raise AdapterError(say("adapter.unknown_layer", path=str(adapter_dir), layer=layer)) from None
         if isinstance(module, torch.nn.Linear):
             size, wanted = (tensor.shape[1], module.in_features) if ".lora_A." in key else (tensor.shape[0], module.out_features)
             if size != wanted:
-                raise AdapterError(f"adapter {str(adapter_dir)!r} was trained on another base model: its {layer} has "
-                                   f"size {size} where this base has {wanted}; pass the base it was trained on as --model")
+                raise AdapterError(say("adapter.other_base", path=str(adapter_dir), layer=layer, size=size, wanted=wanted))
 
 
 def untie_output_head(model):

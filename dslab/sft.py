@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dslab import checkpoints, data, files
 from dslab.lora import DEFAULT_TARGETS
+from dslab.messages import say
 
 DEFAULT_DATA = data.DATA_DIR / "self_cognition.jsonl"
 DEFAULT_NAME = ("小海", "Xiao Hai")  # (zh, en), like ms-swift's --model_name
@@ -52,10 +53,10 @@ def load_chats(files=None, name=DEFAULT_NAME, author=DEFAULT_AUTHOR, mix_general
             elif "query" in row and "response" in row:
                 messages = [{"role": "user", "content": row["query"]}, {"role": "assistant", "content": row["response"]}]
             else:
-                raise data.DataError(f"{path}: row {i + 1} has neither 'messages' nor 'query'/'response'")
+                raise data.DataError(say("sft.row_format", path=path, row=i + 1))
             text = json.dumps(messages, ensure_ascii=False)
             if ("{name}" in text or "{author}" in text) and (name is None or author is None):
-                raise data.DataError(f"{path} uses {{name}}/{{author}} placeholders: pass --model-name and --model-author")
+                raise data.DataError(say("sft.placeholders", path=path))
             if name is not None:
                 messages = [{**m, "content": data.fill_placeholders(m["content"], name, author, lang)} for m in messages]
             chats.append({"messages": messages, "lang": lang})
@@ -130,7 +131,7 @@ def read_deepspeed_file(path, world_size):
     from dslab import config, config_check
 
     if not Path(path).is_file():
-        raise SFTError(f"--deepspeed {path}: no such file (ready-made ones: dslab/configs/*.json)")
+        raise SFTError(say("sft.no_deepspeed_file", path=path))
     return config_check.validate(config.load_config(path), world_size)
 
 
@@ -186,7 +187,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         data_files = [str(f) for f in ([data] if isinstance(data, (str, Path)) else data)]
         for f in data_files:
             if not Path(f).is_file():
-                raise SFTError(f"--data {f}: no such file")
+                raise SFTError(say("sft.no_data_file", path=f))
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
         load_chats(data_files, model_name, model_author, mix_general, seed)
     files.check_writable(output)  # before minutes of training, not after

@@ -96,3 +96,35 @@ def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):
         data.load_jsonl(bad, ("query", "response"))
     with pytest.raises(checkpoints.CheckpointError, match="这里没有完整的检查点.*--save-every K"):
         checkpoints.find_checkpoints(tmp_path / "run")
+
+
+def _refusals(tmp_path):
+    """Errors a learner meets before any rank starts: a bad adapter, a missing data file, an impossible launch."""
+    from dslab import launch, models, sft
+
+    (tmp_path / "full").mkdir(exist_ok=True)
+    (tmp_path / "full" / "config.json").write_text("{}")
+    (tmp_path / "full" / "model.safetensors").write_bytes(b"")
+    return {
+        "no adapter directory": lambda: models.read_adapter(tmp_path / "nowhere"),
+        "a full model given as an adapter": lambda: models.read_adapter(tmp_path / "full"),
+        "no data file": lambda: sft.run(output=tmp_path / "out", data=str(tmp_path / "missing.jsonl")),
+        "no ranks": lambda: launch.check_environment(0, None),
+        "not a launcher command": lambda: launch.run_commands("python train.py"),
+    }
+
+
+@pytest.mark.parametrize("case", ["no adapter directory", "a full model given as an adapter", "no data file",
+                                  "no ranks", "not a launcher command"])
+def test_refusals_before_launch_speak_the_learners_language(tmp_path, monkeypatch, case):
+    monkeypatch.setenv("DSLAB_LANG", "en")
+    with pytest.raises(ValueError if "adapter" in case or "data" in case else RuntimeError) as english:
+        _refusals(tmp_path)[case]()
+    monkeypatch.setenv("DSLAB_LANG", "zh")
+    with pytest.raises(type(english.value)) as chinese:
+        _refusals(tmp_path)[case]()
+    assert not CJK.search(str(english.value)) and CJK.search(str(chinese.value)), (english.value, chinese.value)
+    # paths, options, commands and numbers stay as typed: each quoted word, --option and number of the English is
+    # in the Chinese too
+    kept = set(re.findall(r"'[^']*'|--[\w-]+|\b\d+\b", str(english.value)))
+    assert kept and all(word in str(chinese.value) for word in kept), kept

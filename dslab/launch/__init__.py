@@ -21,6 +21,7 @@ from dslab.launch.commands import run_commands, sh
 from dslab.launch.machine import free_port, gpu_count, port_is_free, remove_shm_buffers, remove_stale_shm_buffers, tool
 from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_dir, rank_environment, run_job,
                                     shower)
+from dslab.messages import say
 
 __all__ = ["RECIPES_DIR", "NOISE", "LaunchError", "LaunchResult", "build_command", "check_environment",
            "display_command", "encode_value", "free_port", "gpu_count", "port_is_free", "recipe_module",
@@ -58,7 +59,7 @@ def build_command(recipe, world_size, master_port, log_dir, include=None, args=(
         script = Path(recipe)
         if not script.is_file():
             known = sorted(p.stem for p in RECIPES_DIR.glob("[!_]*.py"))
-            raise LaunchError(f"{recipe!r} is neither a dslab recipe ({', '.join(known)}) nor a script file")
+            raise LaunchError(say("launch.unknown_script", recipe=recipe, known=", ".join(known)))
         cmd.append(str(script))
     return cmd + list(args)
 
@@ -71,15 +72,12 @@ def display_command(cmd):
 def check_environment(world_size, include):
     """Raise LaunchError, with the fix, for a job the deepspeed launcher would start wrongly on this machine."""
     if world_size < 1:
-        raise LaunchError(f"world_size must be at least 1, got {world_size}")
+        raise LaunchError(say("launch.world_size", world_size=world_size))
     if os.environ.get("CUDA_VISIBLE_DEVICES") and not include and gpu_count():
-        raise LaunchError(
-            "CUDA_VISIBLE_DEVICES is set, but the deepspeed launcher chooses GPUs itself and overrides it. "
-            "Unset it and pass include='localhost:0,1' (CLI: --include localhost:0,1) to pick GPUs."
-        )
+        raise LaunchError(say("launch.cuda_visible"))
     gpus = gpu_count()
     if gpus and not include and world_size > gpus:
-        raise LaunchError(f"world_size={world_size} but only {gpus} GPU(s) are visible; use world_size<={gpus}")
+        raise LaunchError(say("launch.too_few_gpus", world_size=world_size, gpus=gpus))
 
 
 def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
@@ -116,9 +114,9 @@ def torchrun(recipe, world_size=2, timeout=300, stream=None, run_dir=None, **rec
     """
     module = recipe_module(recipe)
     if module is None:
-        raise LaunchError(f"{recipe!r} is not a dslab recipe")
+        raise LaunchError(say("launch.not_a_recipe", recipe=recipe))
     if world_size < 1:
-        raise LaunchError(f"world_size must be at least 1, got {world_size}")
+        raise LaunchError(say("launch.world_size", world_size=world_size))
     remove_stale_shm_buffers()
     name = f"{recipe}-torchrun"
     dirs = fresh_run_dir(name, run_dir)

@@ -10,6 +10,7 @@ from pathlib import Path
 from dslab.launch.guard import parent_death_signal
 from dslab.launch.machine import TOOLS_DIR, free_port, gpu_count, remove_stale_shm_buffers, tool
 from dslab.launch.supervise import NOISE, LaunchError, fresh_run_dir, rank_environment, run_job, shower
+from dslab.messages import say
 
 LAUNCHERS = ("deepspeed", "torchrun", "accelerate")
 MODULE_FLAGS = ("-m", "--module")  # "run the script as a module": the next argument is its module name
@@ -24,10 +25,9 @@ def split_command(command):
         key, value = argv.pop(0).split("=", 1)
         env[key] = value
     if not argv or argv[0] not in LAUNCHERS:
-        raise LaunchError(f"{command!r}: start the command with one of {', '.join(LAUNCHERS)} "
-                          "(environment assignments such as LOCAL_SIZE=1 may come first)")
+        raise LaunchError(say("launch.no_launcher", command=command, launchers=", ".join(LAUNCHERS)))
     if argv[0] == "accelerate" and argv[1:2] != ["launch"]:
-        raise LaunchError(f"{command!r}: of the accelerate commands only `accelerate launch ...` starts ranks")
+        raise LaunchError(say("launch.accelerate_launch", command=command))
     return env, argv
 
 
@@ -54,7 +54,7 @@ def script_position(argv):
     for i, a in enumerate(argv[1:], 1):
         if a.endswith(".py") or (a in MODULE_FLAGS and i + 1 < len(argv)):
             return i
-    raise LaunchError(f"no training script (*.py) in {shlex.join(argv)!r}")
+    raise LaunchError(say("launch.no_script", command=shlex.join(argv)))
 
 
 def script_name(argv):
@@ -73,7 +73,7 @@ def deepspeed_layout(argv):
     pool = runner.fetch_hostfile(args.hostfile) if has_option(argv, "--hostfile", "-H") else None
     if not pool:
         if args.num_nodes > 1:
-            raise LaunchError("--num_nodes > 1 needs a --hostfile that lists the nodes")
+            raise LaunchError(say("launch.hostfile"))
         slots = args.num_gpus if args.num_gpus > 0 else (gpu_count() or 1)
         pool = {"localhost": slots}
     active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)

@@ -33,6 +33,7 @@ import psutil
 
 from dslab.launch.guard import processes_with_env
 from dslab.launch.machine import tool
+from dslab.messages import say
 
 BUSY_FRACTION = 0.05      # of one core, averaged over the window: 20x what a waiting rank used here
 POLL_S = 1.0              # how often the ranks are sampled
@@ -136,9 +137,9 @@ def ranks_by_env(name, value):
 def unready(hang_timeout):
     """Why a hang watch with this timeout cannot run here (a sentence with the fix), or None."""
     if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0:
-        return f"hang_timeout must be a positive number of seconds (--hang-timeout 60), got {hang_timeout!r}"
+        return say("hang.timeout_value", value=hang_timeout)
     if not Path(tool("py-spy")).is_file() and not shutil.which(tool("py-spy")):
-        return f"hang_timeout reads the ranks' stacks with py-spy, which is not installed: pip install {PY_SPY_PIN}"
+        return say("hang.no_py_spy", pin=PY_SPY_PIN)
     return None
 
 

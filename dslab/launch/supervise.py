@@ -20,6 +20,7 @@ from dslab.files import atomic_write_text
 from dslab.launch import hang
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
 from dslab.launch.machine import gpu_count, remove_stale_shm_buffers
+from dslab.messages import say
 
 # Lines DeepSpeed's own logger writes ("[2026-01-01 10:00:00,123] [INFO] [launch.py:...] ...") and the
 # JIT-build chatter: kept in the log, hidden from the learner unless stream="all".
@@ -185,12 +186,12 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None,
             if all(c is not None for c in codes) or any(codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise LaunchError(f"{name} did not finish within {timeout} s; all ranks were stopped")
+                raise LaunchError(say("launch.timeout", name=name, timeout=timeout))
             if watch is not None and watch.stalled():
                 # the stacks are read while the ranks still wait, before anything is stopped
                 report = hang.hang_report(watch, name)
                 atomic_write_text(Path(log_dir) / "hang.txt", report + "\n")
-                raise LaunchError(f"{report}\nAll ranks were stopped. Per-rank logs and hang.txt: {log_dir}")
+                raise LaunchError(f"{report}\n" + say("launch.hang_stopped", log_dir=log_dir))
             time.sleep(0.1)
     finally:
         # a rank that outlived its launcher must not linger
@@ -247,9 +248,9 @@ def _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir):
     failed = next((i for i, c in enumerate(codes) if c and c > 0), next(i for i, c in enumerate(codes) if c))
     code = codes[failed]
     rank, trace = failing_rank(rank_logs)
-    where = f"rank {rank} failed" if rank is not None else "the launcher failed"
+    where = say("launch.rank_failed", rank=rank) if rank is not None else say("launch.launcher_failed")
     if len(codes) > 1:
-        where += f" (node {failed})"
+        where += say("launch.on_node", node=failed)
     killed_by = None
     if code > 128:  # the launcher passes on a rank's -signal as 256 - signal
         try:
@@ -257,15 +258,14 @@ def _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir):
         except ValueError:
             pass
     if killed_by:
-        where += f" (killed by {killed_by})"
+        where += say("launch.killed_by", signal=killed_by)
     elif rank is not None and trace is None:
         # The deepspeed launcher polls its ranks once a second and passes on the first failure it sees: when the
         # peers' echo exits come in the same second, the dead rank's signal is lost, but its silence is not.
-        where += (" without a traceback: it was killed by a signal (kill -9, the out-of-memory killer) or ended "
-                  "with os._exit; the other ranks only lost their peer")
+        where += say("launch.no_traceback")
     detail = trace or (_log_tails(rank_logs) + "\n--- launcher ---\n" + outputs[failed][-2000:])
-    raise LaunchError(f"{name} on {world_size} ranks: {where} (launcher exit status {code}); "
-                      f"all ranks were stopped. Per-rank logs: {log_dir}\n{detail}")
+    raise LaunchError(say("launch.failed", name=name, world_size=world_size, where=where, code=code, log_dir=log_dir)
+                      + f"\n{detail}")
 
 
 def collect_results(result_dir, world_size):
