@@ -131,7 +131,7 @@ def read_deepspeed_file(path, world_size):
     from dslab import config, config_check
 
     if not Path(path).is_file():
-        raise SFTError(say("sft.no_deepspeed_file", path=path))
+        raise SFTError(say("config.no_file", file=f"--deepspeed {path}", bundled="dslab/configs/*.json"))
     return config_check.validate(config.load_config(path), world_size)
 
 
@@ -187,7 +187,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         data_files = [str(f) for f in ([data] if isinstance(data, (str, Path)) else data)]
         for f in data_files:
             if not Path(f).is_file():
-                raise SFTError(say("sft.no_data_file", path=f))
+                raise SFTError(say("data.no_file", path=f"--data {f}"))
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
         load_chats(data_files, model_name, model_author, mix_general, seed)
     files.check_writable(output)  # before minutes of training, not after

@@ -98,11 +98,12 @@ def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):
         checkpoints.find_checkpoints(tmp_path / "run")
 
 
+
 def _refusals(tmp_path):
     """Errors a learner meets before any rank starts: a bad adapter, a missing data file, an impossible launch."""
     from dslab import launch, models, sft
 
-    (tmp_path / "full").mkdir(exist_ok=True)
+    (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
     (tmp_path / "full" / "model.safetensors").write_bytes(b"")
     return {
@@ -114,17 +115,21 @@ def _refusals(tmp_path):
     }
 
 
+def _raised_in(language, monkeypatch, refusal):
+    monkeypatch.setenv("DSLAB_LANG", language)
+    with pytest.raises((ValueError, RuntimeError)) as caught:
+        refusal()
+    return caught.value
+
+
 @pytest.mark.parametrize("case", ["no adapter directory", "a full model given as an adapter", "no data file",
                                   "no ranks", "not a launcher command"])
 def test_refusals_before_launch_speak_the_learners_language(tmp_path, monkeypatch, case):
-    monkeypatch.setenv("DSLAB_LANG", "en")
-    with pytest.raises(ValueError if "adapter" in case or "data" in case else RuntimeError) as english:
-        _refusals(tmp_path)[case]()
-    monkeypatch.setenv("DSLAB_LANG", "zh")
-    with pytest.raises(type(english.value)) as chinese:
-        _refusals(tmp_path)[case]()
-    assert not CJK.search(str(english.value)) and CJK.search(str(chinese.value)), (english.value, chinese.value)
+    refusal = _refusals(tmp_path)[case]
+    english, chinese = (_raised_in(language, monkeypatch, refusal) for language in ("en", "zh"))
+    assert type(english) is type(chinese)
+    assert not CJK.search(str(english)) and CJK.search(str(chinese)), (english, chinese)
     # paths, options, commands and numbers stay as typed: each quoted word, --option and number of the English is
     # in the Chinese too
-    kept = set(re.findall(r"'[^']*'|--[\w-]+|\b\d+\b", str(english.value)))
-    assert kept and all(word in str(chinese.value) for word in kept), kept
+    kept = set(re.findall(r"'[^']*'|--[\w-]+|\b\d+\b", str(english)))
+    assert kept and all(word in str(chinese) for word in kept), kept
