@@ -9,8 +9,8 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-browser test-decks-if-chromium \
-        test-widget-if-chromium test-gpu slides bench chromium clean
+.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser \
+        test-decks-if-chromium test-widget-if-chromium test-gpu slides bench chromium clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,11 @@ test-gpu: setup
 # that), so the English run covers them, and running them again would double the notebooks' CI time.
 test-notebooks: setup
 	$(BIN)/python -m pytest -q --nbval notebooks --ignore=notebooks/zh --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=600
+
+# The notebooks again on torch's plain C++ kernels (no vector instructions), nothing re-recorded: what another CPU's
+# kernels do to the stored outputs, compared by the rule of tests/nbval_numbers.py. CI runs it after `make test`.
+test-notebooks-portable: setup
+	ATEN_CPU_CAPABILITY=default $(MAKE) --no-print-directory test-notebooks
 
 # Debian's chromium for the headless browser tests (slides, ZeRO widget); nothing is downloaded by a test tool.
 chromium:

@@ -9,6 +9,8 @@ Markers (registered here, applied here by test file / node id so no test file ha
 2 cores. `make test` runs everything.
 """
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +95,7 @@ SLOW = (
     "tests/test_models.py::test_build_base_smoke",
     "tests/test_models.py::test_loads_offline_in_a_fresh_process",
     "tests/test_precision.py::test_deepspeed_scaler_replay_and_minimum",
+    "tests/test_precision.py::test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refused_elsewhere",
     "tests/test_zh_edition.py::test_make_test_notebooks_leaves_zh_out",  # collects the notebooks with nbval
     "tests/browser/",
     "tests/gpu/test_gpu.py::test_every_notebook_runs_on_a_gpu",
@@ -109,6 +112,12 @@ def _matches(nodeid, prefixes):
 
 
 def pytest_configure(config):
+    if config.getoption("nbval", default=False) or config.getoption("nbval_lax", default=False):
+        # stored notebook outputs: words and integers exactly, kernel-dependent decimals within a tolerance
+        sys.path.insert(0, str(Path(__file__).parent / "tests"))
+        import nbval_numbers
+
+        nbval_numbers.install()
     config.addinivalue_line("markers", "slow: long on 2 cores; left out by `pytest -m 'not slow'` (make test-fast)")
     config.addinivalue_line("markers", "multirank: starts rank processes (always also slow)")
     config.addinivalue_line("markers", "gpus(n): needs n CUDA GPUs; skipped with the reason elsewhere (tests/gpu)")

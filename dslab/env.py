@@ -15,6 +15,8 @@ from dslab.messages import say
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
 # CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
 BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# CPU flags of native fp16 arithmetic (recent Xeons): where oneDNN has them, DeepSpeed's CPU accelerator allows fp16.
+FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
 # JIT ops the course uses: (name in reports, DeepSpeed op-builder class, what needs it).
 COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
@@ -64,7 +66,7 @@ def missing_build_tools(tools=None):
 
 
 def cpu_info():
-    """Usable cores, model name and the bf16-related flags from /proc/cpuinfo."""
+    """Usable cores, model name and the bf16/fp16-related flags from /proc/cpuinfo."""
     try:
         cores = len(os.sched_getaffinity(0))  # what this process may use (containers, taskset)
     except AttributeError:
@@ -81,7 +83,7 @@ def cpu_info():
         pass
     model = model or platform.processor() or None
     return {"cores_usable": cores, "cores_total": os.cpu_count(), "model": model,
-            "flags": {flag: flag in flags for flag in BF16_CPU_FLAGS}}
+            "flags": {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}}
 
 
 def memory_info():
@@ -193,9 +195,11 @@ def features(accel, cpu, ops, tools):
         bf16_reason = "CPU accelerator; " + (f"this CPU has {' and '.join(fast)}: bf16 matmuls run natively"
                                              if fast else "no avx512_bf16/amx_bf16: bf16 works but may be "
                                              "slower than fp32 (measure it)")
-        fp16_reason = ("DeepSpeed's CPU accelerator refuses fp16 ('Type fp16 is not supported on your device'); "
-                       "torch.autocast(float16) and GradScaler on CPU still show loss scaling"
-                       if not accel["fp16_supported"] else "the CPU accelerator reports fp16 support")
+        # DeepSpeed asks oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported): yes on CPUs with AVX512-FP16 or AMX-FP16
+        fp16_reason = ("DeepSpeed's CPU accelerator refuses fp16 on this CPU ('Type fp16 is not supported on your "
+                       "device'; it needs AVX512-FP16 or AMX-FP16); torch.autocast(float16) and GradScaler on CPU "
+                       "still show loss scaling" if not accel["fp16_supported"] else
+                       "this CPU has oneDNN fp16 (AVX512-FP16 / AMX-FP16): DeepSpeed's fp16 optimizer runs here")
     else:
         bf16_reason = ("the GPU supports bf16" if accel["bf16_supported"]
                        else "this GPU has no native bf16 (needs Ampere or newer): use fp16")

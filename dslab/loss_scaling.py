@@ -4,7 +4,7 @@
   amp_runs(), run_amp_step  the AMP loop on the CPU: torch.autocast(fp16) with a GradScaler (chapter 02's exercise)
   trace_grad_scaler()       the scale step by step when gradients overflow: halve and skip, grow after good steps
   trace_deepspeed_scaler()  the same for DeepSpeed's DynamicLossScaler (hysteresis, loss_scale_window)
-  trace_deepspeed_fp16()    GPU only: DeepSpeed's fp16 optimizer skipping steps for real
+  trace_deepspeed_fp16()    DeepSpeed's fp16 optimizer skipping steps for real, where the accelerator allows fp16
 Formats are named as everywhere in dslab: "fp32", "fp16", "bf16" (dslab.models.torch_dtype converts).
 """
 import contextlib
@@ -274,9 +274,10 @@ def trace_deepspeed_scaler(overflows, **fp16):
 
 
 def trace_deepspeed_fp16(steps=16, spike_steps=(2, 3), spike=1e4, zero_stage=1, lr=1e-2, seed=0, **fp16):
-    """GPU only: the same spiky training under DeepSpeed's own fp16 ZeRO optimizer; one row per step.
+    """The same spiky training under DeepSpeed's own fp16 ZeRO optimizer; one row per step.
 
-    DeepSpeed refuses fp16 on the CPU accelerator. Rows: step, scale used, skipped (the engine counted
+    Runs where the accelerator allows fp16 (every CUDA GPU; the CPU accelerator only on CPUs with oneDNN fp16,
+    AVX512-FP16 / AMX-FP16); elsewhere deepspeed.initialize raises ValueError. Rows: step, scale used, skipped (the engine counted
     an overflow and did not update), scale after the step, loss. `fp16` sets the config's fp16 keys.
     """
     import deepspeed

@@ -30,6 +30,14 @@ BROWSER_SKIPS = [  # pytestmark of the tests that drive JupyterLab in chromium
 ]
 
 
+def force_fp16_support(monkeypatch, supported):
+    """Make DeepSpeed's accelerator answer `supported` to is_fp16_supported() for one test, on any machine: both
+    branches of what depends on it (fp16 refused on most CPUs, allowed on AVX512-FP16 / AMX-FP16 Xeons and GPUs)."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: supported)
+
+
 def processes_mentioning(text):
     """Live (not zombie) processes whose command line mentions `text`: stray launchers or ranks."""
     found = []

@@ -9,7 +9,7 @@ Where each item is tested (this file fills the gaps: the point of use in `dslab 
                                  here: [number-as-string]
 - fp16 and bf16 both on ........ test_config_check.py::test_fp16_and_bf16_both_enabled; here: [fp16-and-bf16]
 - fp16 on CPU .................. test_config_check.py::test_fp16_on_a_cpu_accelerator,
-                                 ::test_fp16_on_this_machine_when_it_has_no_gpu; here: [fp16-on-cpu]
+                                 ::test_fp16_on_a_cpu_accelerator_that_says_yes_or_no; here: [fp16-on-cpu]
 - bf16 on a GPU without support  test_config_check.py::test_bf16_on_a_gpu_without_bf16 (capability query mocked)
 - unknown / typo'd keys ........ test_config_check.py::test_misspelled_keys_at_every_level_get_a_suggestion,
                                  test_sft.py::test_bad_deepspeed_file_is_refused_before_launch; here: [typo-key]
@@ -53,6 +53,7 @@ import torch
 from safetensors.torch import save_file
 
 from dslab import config, config_check, data, launch, lora, models, sft
+from support import force_fp16_support
 
 
 def _snapshot(folder):
@@ -109,6 +110,7 @@ def test_bad_deepspeed_file_is_refused_before_launch(name, tmp_path, monkeypatch
 
         if has_gpu():
             pytest.skip("fp16 is allowed on a GPU")
+        force_fp16_support(monkeypatch, False)   # a CPU without AVX512-FP16 / AMX-FP16, whatever this one has
     monkeypatch.chdir(tmp_path)
     ds_file = tmp_path / "ds.json"
     ds_file.write_text(json.dumps(config.deep_merge(GOOD, changes)))
@@ -274,7 +276,7 @@ def _cited_tests(text=__doc__):
 
 def test_every_test_the_catalogue_cites_exists():
     cited = _cited_tests()
-    assert len(cited) > 20 and ("test_config_check.py", "test_fp16_on_this_machine_when_it_has_no_gpu") in cited
+    assert len(cited) > 20 and ("test_config_check.py", "test_fp16_on_a_cpu_accelerator_that_says_yes_or_no") in cited
     defined = {}
     for name in {f for f, _ in cited}:
         tree = ast.parse((Path(__file__).parent / name).read_text(encoding="utf-8"))

@@ -10,7 +10,7 @@ from dslab import config as C
 from dslab import config_check as CC
 from dslab import config_keys
 from dslab.cli import main
-from support import valid_config
+from support import force_fp16_support, valid_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,8 @@ def test_fp16_and_bf16_both_enabled():
     assert "bf16.enabled" in p.problem and "both" in p.problem and "keep one" in p.fix
 
 
-def test_fp16_on_a_cpu_accelerator():
+def test_fp16_on_a_cpu_accelerator(monkeypatch):
+    force_fp16_support(monkeypatch, False)   # most CPUs (an AVX512-FP16 Xeon says yes: the test below)
     cfg = good(precision="fp16")
     p = only_problem(CC.check_config(cfg, world_size=2, device="cpu"), "fp16.enabled")
     assert "Type fp16 is not supported on your device" in p.problem and "bf16" in p.fix
@@ -106,12 +107,28 @@ def test_fp16_on_a_cpu_accelerator():
     assert CC.check_config(cfg, world_size=2, device="any") == []
 
 
-def test_fp16_on_this_machine_when_it_has_no_gpu():
+def test_fp16_on_this_machine_follows_what_the_accelerator_says():
+    """No device named: the check asks DeepSpeed's accelerator, as deepspeed.initialize will (fp16 is allowed on an
+    AVX512-FP16 / AMX-FP16 Xeon's CPU accelerator, refused on most CPUs): the same verdict here as DeepSpeed's."""
+    from deepspeed.accelerator import get_accelerator
+
+    refused = "fp16.enabled" in keys_of(CC.check_config(good(precision="fp16"), world_size=2))
+    assert refused == (not get_accelerator().is_fp16_supported())
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_fp16_on_a_cpu_accelerator_that_says_yes_or_no(supported, monkeypatch):
     from dslab.env import has_gpu
 
     if has_gpu():
         pytest.skip("this machine has a GPU")
-    assert "fp16.enabled" in keys_of(CC.check_config(good(precision="fp16"), world_size=2))
+    force_fp16_support(monkeypatch, supported)
+    problems = CC.check_config(good(precision="fp16"), world_size=2)
+    if supported:
+        assert problems == []
+    else:
+        p = only_problem(problems, "fp16.enabled")
+        assert "AVX512-FP16" in p.problem and "Type fp16 is not supported" in p.problem and "bf16" in p.fix
 
 
 def test_bf16_on_a_gpu_without_bf16(monkeypatch):
@@ -333,7 +350,8 @@ ACCEPTANCE = {
 
 
 @pytest.mark.parametrize("case", sorted(ACCEPTANCE))
-def test_cli_check_rejects(case, tmp_path, capsys):
+def test_cli_check_rejects(case, tmp_path, capsys, monkeypatch):
+    force_fp16_support(monkeypatch, False)   # "fp16 on CPU": a CPU whose accelerator refuses fp16, like most
     cfg, key = ACCEPTANCE[case]
     path = C.save_config(cfg, tmp_path / "c.json")
     assert main(["config", "check", str(path), "--world-size", "2", "--device", "cpu"]) == 1

@@ -11,6 +11,7 @@ import pytest
 
 from dslab import dist, env
 from dslab.cli import main
+from support import force_fp16_support
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES = ["bf16 training", "fp16 DeepSpeed optimizer", "ZeRO-Offload (cpu_adam)", "AutoTP inference",
@@ -57,12 +58,32 @@ def test_cpu_only_machine(rep):
     feature = {f["name"]: f for f in rep["features"]}
     assert not feature["kernel injection"]["available"] and "GPU" in feature["kernel injection"]["reason"]
     assert not feature["nccl"]["available"]
-    assert "Type fp16 is not supported" in feature["fp16 DeepSpeed optimizer"]["reason"]
+    fp16 = feature["fp16 DeepSpeed optimizer"]   # what DeepSpeed's CPU accelerator answers here, not assumed
+    assert fp16["available"] == rep["accelerator"]["fp16_supported"]
+    assert ("Type fp16 is not supported" in fp16["reason"]) == (not fp16["available"])
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_fp16_feature_follows_the_cpu_accelerators_answer(supported, monkeypatch):
+    """Both answers, whatever this CPU is: AVX512-FP16 / AMX-FP16 Xeons say yes, most other CPUs no."""
+    from deepspeed.accelerator import get_accelerator
+
+    if env.has_gpu():
+        pytest.skip("this machine has a GPU")
+    force_fp16_support(monkeypatch, supported)
+    accel = env.accelerator_info()
+    assert accel["fp16_supported"] is supported and accel["name"] == get_accelerator().device_name() == "cpu"
+    cpu = {"flags": {f: False for f in env.BF16_CPU_FLAGS + env.FP16_CPU_FLAGS}}
+    ops = {"cpu_adam": {"compatible": True, "built": True}, "shm_comm": {"compatible": True, "built": True}}
+    tools = {"ninja": "/usr/bin/ninja", "c++": "/usr/bin/c++", "g++": None, "numactl": None}
+    fp16 = {f["name"]: f for f in env.features(accel, cpu, ops, tools)}["fp16 DeepSpeed optimizer"]
+    assert fp16["available"] is supported
+    assert ("AVX512-FP16" in fp16["reason"]) and (("refuses" in fp16["reason"]) is not supported)
 
 
 def test_cpu_and_memory(rep):
     assert rep["cpu"]["cores_usable"] == len(os.sched_getaffinity(0)) <= rep["cpu"]["cores_total"]
-    assert set(rep["cpu"]["flags"]) == set(env.BF16_CPU_FLAGS)
+    assert set(rep["cpu"]["flags"]) == set(env.BF16_CPU_FLAGS + env.FP16_CPU_FLAGS)
     assert all(isinstance(v, bool) for v in rep["cpu"]["flags"].values())
     flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     assert rep["cpu"]["flags"]["avx512_bf16"] == ("avx512_bf16" in flags)

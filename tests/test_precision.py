@@ -122,6 +122,50 @@ def test_deepspeed_scaler_replay_and_minimum():
     assert "already at minimum" in floor[-1]["error"]
 
 
+_DEEPSPEED_FP16 = """
+import json, sys
+from deepspeed.accelerator import get_accelerator
+if get_accelerator().device_name() == "cpu":   # the CPU accelerator's answer, forced: both branches on any CPU
+    get_accelerator().is_fp16_supported = lambda: sys.argv[1] == "yes"
+from dslab import dist, loss_scaling
+dist.quiet()
+try:
+    trace = loss_scaling.trace_deepspeed_fp16(steps=16, spike_steps=(2, 3), initial_scale_power=8,
+                                              loss_scale_window=4, hysteresis=2)
+except ValueError as exc:
+    print(json.dumps({"refused": str(exc)}))
+else:
+    replay = loss_scaling.trace_deepspeed_scaler([r["skipped"] for r in trace], initial_scale_power=8,
+                                                 loss_scale_window=4, hysteresis=2)
+    print(json.dumps({"trace": trace, "replay": replay}))
+"""
+
+
+@pytest.mark.parametrize("fp16_supported", ["yes", "no"])
+def test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refused_elsewhere(fp16_supported):
+    """Chapter 02 section 9, both branches: where the accelerator allows fp16 (a GPU, an AVX512-FP16 Xeon; here
+    forced on the CPU accelerator, whose fp16 then runs in torch's fp16 CPU kernels), DeepSpeed's fp16 optimizer
+    skips the two overflowing steps and halves its loss scale exactly as the scaler replay says; elsewhere
+    deepspeed.initialize refuses fp16."""
+    from dslab.env import has_gpu
+
+    if has_gpu() and fp16_supported == "no":
+        pytest.skip("a GPU supports fp16")
+    out = subprocess.run([sys.executable, "-c", _DEEPSPEED_FP16, fp16_supported], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if fp16_supported == "no":
+        assert "fp16 is not supported" in result["refused"]
+        return
+    trace, replay = result["trace"], result["replay"]
+    assert [r["step"] for r in trace if r["skipped"]] == [2, 3]          # the spiky batches, and only those
+    assert [r["scale"] for r in trace] == [r["scale"] for r in replay]   # engine.optimizer.loss_scale, step by step
+    assert trace[3]["next_scale"] == trace[3]["scale"] / 2 == 128        # hysteresis 2: the 2nd overflow halves
+    assert max(r["scale"] for r in trace) == 512                        # ... and good steps doubled it back twice
+    assert all(math.isfinite(r["loss"]) for r in trace)
+
+
 def test_repeated_add_loses_small_updates_in_bf16_only():
     assert precision.repeated_add(1.0, 1e-3, 100, "bf16") == 1.0
     assert precision.repeated_add(1.0, 1e-3, 100, "fp32") == pytest.approx(1.1, rel=1e-4)
