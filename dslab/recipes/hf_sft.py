@@ -8,6 +8,7 @@ Every TrainingArguments field is a command-line option (HfArgumentParser); the D
 from dataclasses import dataclass, field
 
 import deepspeed
+import torch.distributed
 from peft import LoraConfig, get_peft_model
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, Trainer,
                           TrainingArguments, set_seed)
@@ -45,3 +46,6 @@ trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, 
 trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # a checkpoint-N folder, or None
 trainer.save_model()  # the adapter, into output_dir; under ZeRO-3 the Trainer gathers it from the ranks first
 hf_bridge.report(trainer, script_args.model)  # chapter 09's measurements; a no-op when run by hand
+# Leave the process group before the interpreter exits: torn down along with the process, gloo's threads can abort
+# a rank that has finished ("terminate called without an active exception"), and the launcher reports a failure.
+torch.distributed.destroy_process_group()
