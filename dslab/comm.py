@@ -1,4 +1,4 @@
-"""Communication basics: what each collective moves, the variables launchers set, bytes a process has written.
+"""Communication basics: what each collective moves, the variables launchers set, bytes a process has sent.
 
 Starting ranks (the deepspeed launcher, torchrun) is dslab.launch's: `launch.torchrun("collectives")`.
 """
@@ -60,3 +60,65 @@ def bytes_written():
     except OSError:
         pass
     return None
+
+
+# struct tcp_info (linux/tcp.h): offsets of the byte counters read below (tcpi_bytes_sent needs Linux 4.19)
+_TCP_INFO_LEN = 512
+_TCPI_BYTES_RECEIVED = 128   # __u64 tcpi_bytes_received: payload bytes this end received
+_TCPI_BYTES_SENT = 200       # __u64 tcpi_bytes_sent: payload bytes this end sent
+
+
+def _tcp_connections():
+    """Yield (socket, peer address) for each connected TCP socket of this process (Linux: /proc/self/fd).
+
+    Each socket is a duplicate of the process's own descriptor, closed after use: the original stays open.
+    """
+    import socket
+
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue  # closed meanwhile, or not ours to read
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                yield sock, tuple(sock.getpeername()[:2])
+        except OSError:
+            pass  # a listening socket has no peer
+        finally:
+            sock.close()
+
+
+def tcp_bytes():
+    """{(peer host, peer port): [bytes sent, bytes received]} over this process's open TCP connections.
+
+    gloo talks to each peer over TCP connections of its own, so these say who sent what to whom: the kernel's
+    per-connection payload counts (getsockopt TCP_INFO). /proc/self/io has no counterpart for received bytes (gloo's
+    socket reads are not in `rchar`), which is why they come from here. Linux 4.19 or later; {} elsewhere.
+    """
+    import socket
+    import struct
+
+    out = {}
+    for sock, peer in _tcp_connections():
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            continue
+        if len(info) < _TCPI_BYTES_SENT + 8:
+            continue  # a kernel too old to count bytes sent
+        totals = out.setdefault(peer, [0, 0])
+        totals[0] += struct.unpack_from("Q", info, _TCPI_BYTES_SENT)[0]
+        totals[1] += struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)[0]
+    return out
+
+
+def local_endpoints():
+    """[(host, port)] of this process's end of each TCP connection: how the peers' tcp_bytes name this process."""
+    return [tuple(sock.getsockname()[:2]) for sock, _ in _tcp_connections()]

@@ -141,8 +141,8 @@ def measure_engine(engine):
     >= 2, after at least one optimizer step so Adam's states exist): only then do stage 1 (full gradients
     kept until the boundary) and stage 2 (only the gradient partition) differ as the paper says.
     Model states are found where DeepSpeed keeps them (p.data / p.ds_tensor, p.grad or the gradient
-    partition, the inner optimizer's fp32 master weights and states); every other tensor reachable from
-    the ZeRO optimizer (communication buckets, gathered parameters, staging copies) counts as a buffer.
+    partition, the inner optimizer's fp32 master weights and states, Muon's staged momentum); every other tensor
+    reachable from the ZeRO optimizer (communication buckets, gathered parameters, staging copies) counts as a buffer.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -173,6 +173,10 @@ def measure_engine(engine):
     for state in inner.state.values():
         for name, value in state.items():
             ledger.add(value, "optimizer", f"Adam {name}", host=off_opt)
+    # Muon under ZeRO 1-2: a staged copy of each group's momentum, kept between steps (stage_1_and_2.py,
+    # _muon_staging_momentum: a step writes it and commits it to the state only if the step is not skipped)
+    for staged, _ in (getattr(wrapper, "_muon_pending_momentum", None) or {}).values():
+        ledger.add(staged, "optimizer", "Muon staged momentum", host=off_opt)
     # 3. gradients on the accelerator: full p.grad (stages 0-1) or this rank's partition (stages 2-3)
     if stage == 2 and not off_opt:
         _stage2_grad_rows(wrapper, ledger)

@@ -305,7 +305,7 @@ def format_report(rep):
         lines.append(row(name, state + (f" ({op['path']})" if op["path"] else "")))
     aio = rep["async_io"]
     lines.append(row(aio["op"], (say("env.aio_ok") if aio["compatible"] else
-                                 say("env.aio_missing", hint=AIO_INSTALL_HINT)) + say("env.aio_use", purpose=aio["purpose"])))
+                                 say("env.aio_missing", hint=AIO_INSTALL_HINT)) + say("env.aio_use")))
     lines += [say("env.what_runs")]
     lines += [f"  [{'x' if f['available'] else ' '}] {f['name']:<26}{f['reason']}" for f in rep["features"]]
     return "\n".join(lines)

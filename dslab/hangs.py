@@ -9,8 +9,14 @@ line, each in its own words; the functions here read those words so that a noteb
   OpType=OP, TensorShape=[...], ...)" (`fingerprints`);
 - dslab's hang watch (py-spy): "rank N (pid P): blocked in COLLECTIVE (...), called from FILE:LINE (FUNCTION)"
   (`blocked`, reading what dslab.launch.hang.where_blocked writes).
+
+`flight_recorder_kept` shows what torch's flight recorder keeps under a given TORCH_FR_BUFFER_SIZE, in a new process.
 """
+import json
+import os
 import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -119,3 +125,34 @@ def default_timeouts():
              "changed with": "timeout=timedelta(...), or DEEPSPEED_TIMEOUT=<minutes>"},
             {"process group made by": 'torch.distributed.init_process_group("gloo")',
              "default timeout": minutes(torch_default), "changed with": "timeout=timedelta(...)"}]
+
+
+# Rank 0 of a world of one (gloo, an in-process store): N all-reduces, then the sequence numbers of the collectives
+# torch's flight recorder kept. _dump_fr_trace_json is private torch API (the leading underscore): what a dump writes.
+_RECORDER_PROBE = """
+import json, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(1)
+for _ in range(int(sys.argv[1])):
+    dist.all_reduce(x)
+record = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
+print(json.dumps([entry["collective_seq_id"] for entry in record.get("entries", [])]))
+dist.destroy_process_group()
+"""
+RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")   # the name, and its older one
+
+
+def flight_recorder_kept(collectives, buffer_size=None):
+    """The sequence numbers of the collectives torch's flight recorder keeps after `collectives` all-reduces, run in
+    a new process (rank 0 of a world of one, gloo) with TORCH_FR_BUFFER_SIZE=buffer_size (None: unset, torch's
+    default). The recorder reads the variable once per process, so each setting needs a process of its own."""
+    env = {name: value for name, value in os.environ.items() if name not in RECORDER_VARIABLES}
+    if buffer_size is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = str(buffer_size)
+    done = subprocess.run([sys.executable, "-c", _RECORDER_PROBE, str(int(collectives))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"the flight-recorder probe failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

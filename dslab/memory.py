@@ -37,8 +37,11 @@ QUOTED_BYTES_PER_PARAM = {
 #   optimizer "adam"       a master copy + Adam's two moments (exp_avg, exp_avg_sq): K = 4 + 4 + 4
 #   optimizer "muon"       DeepSpeed's Muon takes the 2-D weight matrices of the layers (not the embeddings or the
 #                          output head): a master copy + ONE momentum buffer each; the other parameters get Adam.
-#                          The momentum has the gradients' dtype under ZeRO 1-3 (bf16: 2 bytes) and is fp32 beside
-#                          the master copy at stage 0 and with offload: K = 4 + f x 2 + (1 - f) x 8 (f: Muon's share)
+#                          The momentum has the gradients' dtype under ZeRO 1-3 (bf16: 2 bytes), and ZeRO 1-2 keep a
+#                          second, staged copy of it between steps (stage_1_and_2.py, _muon_staging_momentum: a step
+#                          writes the copy and commits it only if it is not skipped): K = 4 + f x (2 + 2) + (1 - f) x 8
+#                          at ZeRO 1-2, 4 + f x 2 + (1 - f) x 8 at ZeRO-3 (f: Muon's share). At stage 0 and with
+#                          offload the momentum is fp32 beside the master copy, one copy: 4 + f x 4 + (1 - f) x 8
 #   master_weights "bf16"  bf16.bf16_master_weights_and_grads: the master copy (and the gradient partition the
 #                          optimizer reads) in bf16, 2 bytes
 #   optimizer_states "bf16"  bf16.bf16_optimizer_states: Adam's moments in bf16, 2 + 2
@@ -46,6 +49,7 @@ OPTIMIZERS = ("adam", "muon")
 STATE_DTYPES = ("fp32", "bf16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LEVER_DEFAULTS = {"optimizer": "adam", "master_weights": "fp32", "optimizer_states": "fp32", "muon_fraction": None}
+MUON_MOMENTUM_COPIES = 2   # ZeRO 1-2 on the accelerator: the committed momentum and its staged copy
 
 
 def check_setup(zero_stage, world_size, precision="bf16", offload_optimizer=False, offload_param=False,
@@ -211,8 +215,12 @@ def optimizer_bytes(precision="bf16", optimizer="adam", master_weights="fp32", o
     master = DTYPE_BYTES[master_weights] if mixed else 0  # fp32 training: the weights are their own master copy
     adam = 2 * DTYPE_BYTES[optimizer_states] if mixed else BYTES_PER_PARAM["fp32"]["optimizer"]
     if optimizer == "muon":
-        # one momentum buffer: the gradients' dtype on the accelerator under ZeRO 1-3, fp32 beside the master copy
-        momentum = 4 if zero_stage == 0 or offload_optimizer else BYTES_PER_PARAM[precision]["grads"]
+        # one momentum buffer: fp32 beside the master copy at stage 0 and with offload; else in the gradients' dtype,
+        # and ZeRO 1-2 keep a staged copy of it too (stage_1_and_2.py, _muon_staging_momentum)
+        if zero_stage == 0 or offload_optimizer:
+            momentum = 4
+        else:
+            momentum = BYTES_PER_PARAM[precision]["grads"] * (MUON_MOMENTUM_COPIES if zero_stage in (1, 2) else 1)
         moments = muon_fraction * momentum + (1 - muon_fraction) * adam
     else:
         moments = adam
@@ -238,9 +246,11 @@ def muon_split(named_shapes):
 def muon_momentum_elements(shapes, world_size):
     """Elements of Muon momentum each rank keeps under ZeRO 1-2: every matrix that touches its partition, whole.
 
-    MuonWithAuxAdam orders its matrices by shape, largest first; ZeRO flattens them and cuts the flat buffer
-    (padded to a multiple of 2 x world_size) into equal partitions. Newton-Schulz works on whole matrices, so a
-    matrix cut by a partition boundary is kept whole, with its momentum, by both ranks.
+    MuonWithAuxAdam sorts its matrices by their shape tuples, in descending order (sorted(..., key=p.size(),
+    reverse=True): the first dimension decides, not the number of elements); ZeRO flattens them in that order and
+    cuts the flat buffer (padded to a multiple of 2 x world_size) into equal partitions. Newton-Schulz works on whole
+    matrices, so a matrix cut by a partition boundary is kept whole, with its momentum, by both ranks. (Elements per
+    momentum copy: ZeRO 1-2 keep two, see optimizer_bytes.)
     """
     sizes = [math.prod(s) for s in sorted((tuple(s) for s in shapes), reverse=True)]
     align = 2 * world_size

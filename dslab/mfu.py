@@ -17,7 +17,6 @@ the input and of the weight), so training MFU = 3 x forward FLOPs / step seconds
 Measuring: time_phases(engine, tokens) times forward, backward and step of a live engine; sweep(setups) measures
 several setups in this process, in alternating rounds so that a change in the machine's load hits all of them.
 """
-import os
 import re
 import time
 from pathlib import Path
@@ -203,20 +202,6 @@ def format_sweep(rows):
         lines.append(f"{r['setup']:34s} {r['step_seconds'] * 1000:8.0f} {r['achieved_gflops']:8.1f} "
                      f"{r['ceiling_gflops']:8.0f} {r['mfu']:6.1%}")
     return "\n".join(lines)
-
-
-def machine_is_quiet(cores=None):
-    """True when the 1-minute load average shows no work besides one busy thread (this notebook's): below cores - 0.5.
-
-    Timing claims that need a free core (a second thread per rank) hold only then: on a shared machine the kernel's
-    scheduler gives a process with more threads a larger share, and a second thread can look faster than linear.
-    Always False where os.getloadavg is not available, and on one core, where no second core can be free.
-    """
-    cores = cores or len(os.sched_getaffinity(0))
-    try:
-        return os.getloadavg()[0] < cores - 0.5
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- the profiler's report

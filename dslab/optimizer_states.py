@@ -2,7 +2,8 @@
 
 Chapter 04's formulas give the optimizer states K = 12 bytes per parameter (fp32 master weights + Adam's two
 moments). Three choices change K, each read here from the engine's own tensors:
-  Muon            ("optimizer": {"type": "Muon"}) one momentum buffer per 2-D weight matrix, Adam for the rest
+  Muon            ("optimizer": {"type": "Muon"}) one momentum buffer per 2-D weight matrix (and, at ZeRO 1-2, a
+                  staged copy of it), Adam for the rest
   bf16 masters    ("bf16": {"bf16_master_weights_and_grads": true}) the master copy in bf16
   bf16 states     ("bf16": {"bf16_optimizer_states": true}) Adam's moments in bf16
 census(engine)          every optimizer-state tensor of this rank: which group, which state, dtype, elements, bytes
@@ -39,7 +40,8 @@ def census(engine):
     without a master copy, the weights themselves); its `state` holds Adam's exp_avg / exp_avg_sq or Muon's
     momentum_buffer. Step counters (one number each) are left out. "muon" / "adam" name the halves DeepSpeed's
     Muon optimizer builds; "all" a single-optimizer run. A Muon run under ZeRO 1-2 also keeps a staged copy of
-    the momentum (committed only when the step is not skipped): reported as state "staged momentum (buffer)".
+    the momentum between steps (a step writes it, and commits it to momentum_buffer only if the step is not
+    skipped): state "staged momentum", as large as momentum_buffer.
     """
     import torch
 
@@ -60,9 +62,10 @@ def census(engine):
             add(label, "master weights", p)
             for name, value in inner.state.get(p, {}).items():
                 add(label, name, value)
-    # DeepSpeed keeps this dict between steps (stage_1_and_2.py, _muon_staging_momentum): a real buffer
+    # DeepSpeed keeps this dict between steps (stage_1_and_2.py, _muon_staging_momentum): optimizer state in all
+    # but name, which dslab.engine_memory counts under "optimizer" too
     for staged, _ in (getattr(wrapper, "_muon_pending_momentum", None) or {}).values():
-        add("muon", "staged momentum (buffer)", staged)
+        add("muon", "staged momentum", staged)
     return [{"group": g, "state": s, "dtype": d, "elements": e, "bytes": b}
             for (g, s, d), (e, b) in sorted(totals.items())]
 
@@ -172,9 +175,9 @@ def load_setups(setups):
 
 
 def state_bytes(rows, group=None, state=None):
-    """Bytes of the census rows of `group` and/or `state` (None: any); buffers ("(buffer)") only when named."""
+    """Bytes of the census rows of `group` and/or `state` (None: any)."""
     return sum(r["bytes"] for r in rows if (group is None or r["group"] == group)
-               and (state is None and "(buffer)" not in r["state"] or r["state"] == state))
+               and (state is None or r["state"] == state))
 
 
 def format_census(rows):

@@ -130,6 +130,22 @@ def computes(step):
     return any(name[0] in "FB" and name[1:].isdigit() for name in step)
 
 
+def in_flight(micro_batches, stages):
+    """{stage: the most micro-batches it has run forward and not yet backward at once}, counted in DeepSpeed's
+    schedule: the activations a stage must keep. 1F1B gives stage s min(p - s, m); DeepSpeed allocates
+    max(2, that) activation buffers (TrainSchedule.num_pipe_buffers)."""
+    out = {}
+    for stage, steps in schedule(micro_batches, stages).items():
+        open_now = most = 0
+        for step in steps:
+            for name in step:
+                if computes([name]):
+                    open_now += 1 if name[0] == "F" else -1
+                    most = max(most, open_now)
+        out[stage] = most
+    return out
+
+
 def bubble_fraction(micro_batches, stages):
     """The share of a stage's time slots with nothing to compute in a 1F1B (or GPipe) step: (p - 1) / (m + p - 1)."""
     return (stages - 1) / (micro_batches + stages - 1)

@@ -4,9 +4,12 @@
 linear layers across groups of T ranks (deepspeed/runtime/engine.py, _apply_autotp_partitioning): column-split
 layers (DeepSpeed's LinearLayer: q/k/v, gate/up) keep a slice of the output features, row-split layers
 (LinearAllreduce: o_proj, down_proj) a slice of the input features and all-reduce their partial sums. For
-dslab-tiny the model's own tp_plan also splits the tied embedding and output head by vocabulary rows
-(VocabParallelEmbedding / VocabParallelLinear, with a loss that never gathers the logits). The world's other
-dimension is data parallel: world_size / T groups, each with its own data.
+dslab-tiny the tied embedding and output head are split by vocabulary rows too (VocabParallelEmbedding /
+VocabParallelLinear, with a loss that never gathers the logits): transformers adds "embed_tokens":
+"embedding_rowwise" to the model's runtime tp_plan, and DeepSpeed shards the output head tied to that embedding
+with it. The world's other dimension is data parallel, in DeepSpeed's sense: world_size / T model replicas (one per
+tensor-parallel group), each with its own data, and T data-parallel groups of world_size / T ranks (one rank of each
+replica, holding the same slices), which average gradients and over which ZeRO shards.
 """
 # DeepSpeed's tensor-parallel layer classes (deepspeed/module_inject/layers.py) and how each splits its weight.
 SPLITS = {"LinearLayer": "output features (column)", "LinearAllreduce": "input features (row), then all-reduce",
@@ -46,18 +49,19 @@ def train_one_process(model, steps, lr=1e-3):
     return out
 
 
-def grouped_batches(steps, groups, micro_batch_size=2, seq_len=64):
-    """`steps` lists of `groups` corpus batches: step s gives data-parallel group g batch s * groups + g."""
-    batches = corpus_batches(steps * groups, micro_batch_size, seq_len)
-    return [batches[s * groups:(s + 1) * groups] for s in range(steps)]
+def replica_batches(steps, replicas, micro_batch_size=2, seq_len=64):
+    """`steps` lists of `replicas` corpus batches: step s gives model replica d (the ranks with data-parallel rank d)
+    batch s * replicas + d."""
+    batches = corpus_batches(steps * replicas, micro_batch_size, seq_len)
+    return [batches[s * replicas:(s + 1) * replicas] for s in range(steps)]
 
 
-def one_process_losses(steps, groups, micro_batch_size=2, seq_len=64, lr=1e-3, model_path=None):
-    """dslab-tiny trained in this process alone on grouped_batches(...): each step's per-group losses."""
+def one_process_losses(steps, replicas, micro_batch_size=2, seq_len=64, lr=1e-3, model_path=None):
+    """dslab-tiny trained in this process alone on replica_batches(...): each step's per-replica losses."""
     from dslab import models
 
-    return train_one_process(models.load_model(model_path), grouped_batches(steps, groups, micro_batch_size, seq_len),
-                             lr=lr)
+    return train_one_process(models.load_model(model_path),
+                             replica_batches(steps, replicas, micro_batch_size, seq_len), lr=lr)
 
 
 def shard_census(module):
@@ -135,8 +139,9 @@ def collectives(raw):
 
 def train_tp(ds_config, steps, model_path=None):
     """Run on every rank: AutoTP (+ data parallel) training of dslab-tiny in fp32 on `steps` (lists of token
-    batches, one per data-parallel group); returns this rank's {"layout", "losses", "census", "train_batch_size",
-    "dp_world_size"}. Tensor-parallel ranks of one group take the same batch: that is what they split."""
+    batches, one per model replica: the data-parallel rank picks it); returns this rank's {"layout", "losses",
+    "census", "train_batch_size", "dp_world_size"}. The ranks of one tensor-parallel group (one replica) take the
+    same batch: they split the layers, not the data."""
     import copy
 
     import deepspeed

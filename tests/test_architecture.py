@@ -1,6 +1,7 @@
 """docs/architecture.md names only modules and functions that exist, and dslab's imports go one way: no cycle,
 nothing imports the command line or a recipe. Everything is read with ast: nothing of dslab is imported."""
 import ast
+import fnmatch
 import re
 from pathlib import Path
 
@@ -152,6 +153,43 @@ def test_every_module_and_function_on_the_page_exists():
         elif rest and rest[0] not in _top_level_names(known[module]):
             missing.append(f"{name}: {module} has no {rest[0]}")
     assert not missing, "docs/architecture.md names what does not exist:\n" + "\n".join(missing)
+
+
+def named_on_the_page(path, spans):
+    """Whether a module file is named in one of the page's code spans: by its path (`dslab/launch/hang.py`), by a
+    glob that matches it (`dslab/recipes/*.py`), or by its dotted name, alone or with an attribute
+    (`dslab.engine_memory.measure_engine`). A package's __init__.py also counts as named by its folder
+    (`dslab/launch/`)."""
+    rel = path.relative_to(ROOT).as_posix()
+    module = rel[:-len(".py")].replace("/", ".")
+    if path.name == "__init__.py":
+        module = module[:-len(".__init__")]
+    for span in spans:
+        for named in re.findall(r"\bdslab/[\w/.*-]*", span):
+            if named == rel or ("*" in named and fnmatch.fnmatchcase(rel, named)) \
+                    or (path.name == "__init__.py" and named.rstrip("/") == rel.rpartition("/")[0]):
+                return True
+        if any(d == module or d.startswith(module + ".") for d in re.findall(r"\bdslab(?:\.\w+)+", span)):
+            return True
+    return False
+
+
+def test_every_module_of_the_package_is_on_the_page():
+    """A new module gets its line here (what it is for), so the page stays the map of the whole package."""
+    spans = _code_spans()
+    files = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).as_posix() != "__init__.py")
+    assert len(files) > 50
+    missing = [p.relative_to(ROOT).as_posix() for p in files if not named_on_the_page(p, spans)]
+    assert not missing, f"docs/architecture.md does not name these modules; say what each is for: {missing}"
+
+
+def test_a_module_counts_as_named_by_its_path_a_glob_or_its_dotted_name():
+    hang, recipe = PACKAGE / "launch" / "hang.py", PACKAGE / "recipes" / "sft.py"
+    package = PACKAGE / "launch" / "__init__.py"
+    assert named_on_the_page(hang, ["dslab/launch/hang.py"]) and named_on_the_page(hang, ["dslab.launch.hang.x"])
+    assert named_on_the_page(recipe, ["dslab/recipes/*.py"]) and named_on_the_page(package, ["dslab/launch/"])
+    assert not named_on_the_page(hang, ["dslab/launch/", "dslab.launch.run", "dslab/launch/hangs.py"])
+    assert not named_on_the_page(PACKAGE / "hpz.py", ["dslab.hpzz", "hpz.gathers_by_pass"])
 
 
 @pytest.mark.parametrize("entry", ["dslab.config.make_config", "dslab.engine_memory.measure_engine",

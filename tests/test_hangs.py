@@ -91,3 +91,12 @@ def test_default_timeouts_come_from_the_installed_libraries():
     assert [row["process group made by"] for row in rows] == ["deepspeed.init_distributed()",
                                                               'torch.distributed.init_process_group("gloo")']
     assert rows[1]["default timeout"] == "30 min"
+
+
+def test_flight_recorder_keeps_the_last_2000_by_default_and_the_variable_sets_the_size(monkeypatch):
+    """torch 2.13's FlightRecorder: TORCH_FR_BUFFER_SIZE (or the older TORCH_NCCL_TRACE_BUFFER_SIZE), default 2000;
+    0 turns it off. Read in new processes, whatever this one's environment says."""
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "3")   # ignored: the probe starts from torch's defaults
+    assert hangs.flight_recorder_kept(2005) == list(range(6, 2006))
+    assert hangs.flight_recorder_kept(10, buffer_size=4) == [7, 8, 9, 10]
+    assert hangs.flight_recorder_kept(10, buffer_size=0) == []

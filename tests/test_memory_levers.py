@@ -17,15 +17,16 @@ PSI = 1_234_568  # even: ZeRO pads nothing at N = 2
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_k_of_each_lever_per_stage(n):
     f = 0.75
-    cases = {  # (choice, K): optimizer-state bytes per parameter
-        "adam": ({}, 12),
-        "muon": ({"optimizer": "muon", "muon_fraction": f}, 4 + f * 2 + (1 - f) * 8),
-        "bf16 masters + states": ({"master_weights": "bf16", "optimizer_states": "bf16"}, 2 + 2 + 2),
+    cases = {  # (choice, K at ZeRO 1-2, K at ZeRO-3): optimizer-state bytes per parameter
+        "adam": ({}, 12, 12),
+        # ZeRO 1-2: the bf16 momentum and its staged copy (stage_1_and_2.py, _muon_staging_momentum); ZeRO-3: one
+        "muon": ({"optimizer": "muon", "muon_fraction": f}, 4 + f * (2 + 2) + (1 - f) * 8, 4 + f * 2 + (1 - f) * 8),
+        "bf16 masters + states": ({"master_weights": "bf16", "optimizer_states": "bf16"}, 2 + 2 + 2, 2 + 2 + 2),
     }
     for stage in (1, 2, 3):
-        for choice, k in cases.values():
+        for choice, k12, k3 in cases.values():
             t = memory.theory(PSI, n, stage, **choice)
-            assert t["optimizer"] == round(k * PSI / n)
+            assert t["optimizer"] == round((k3 if stage == 3 else k12) * PSI / n)
             assert t["params"] == round(2 * PSI / (n if stage == 3 else 1))  # the weights do not change
     # stage 0 and offload keep Muon's momentum fp32, beside the fp32 master copy
     assert memory.theory(PSI, 1, 0, optimizer="muon", muon_fraction=f)["optimizer"] == round((4 + 4 * f + 8 * (1 - f)) * PSI)
@@ -95,10 +96,18 @@ def test_muon_split_is_deepspeeds_rule():
 
 
 def test_muon_momentum_keeps_whole_matrices_at_partition_boundaries():
-    shapes = [(4, 4), (2, 4), (4, 4)]  # sorted largest first: 16, 16, 8 elements; partitions of 20 at N = 2
+    import torch
+
+    shapes = [(4, 4), (2, 4), (4, 4)]  # sorted: (4, 4), (4, 4), (2, 4): 16, 16, 8 elements; partitions of 20 at N = 2
     assert memory.muon_momentum_elements(shapes, 1) == [40]
     assert memory.muon_momentum_elements(shapes, 2) == [32, 24]  # the second 4 x 4 straddles: both keep it
     assert memory.muon_momentum_elements([(8, 2)] * 4, 2) == [32, 32]  # a boundary between matrices: no overlap
+    # DeepSpeed sorts by the shape tuple (original_muon.py: key=lambda x: x.size(), reverse=True), not by size:
+    # (3, 10) comes before the larger (2, 100), which then straddles the boundary at 116
+    shapes = [(2, 100), (3, 10)]
+    ordered = sorted((torch.empty(shape) for shape in shapes), key=lambda x: x.size(), reverse=True)
+    assert [tuple(t.shape) for t in ordered] == [(3, 10), (2, 100)]
+    assert memory.muon_momentum_elements(shapes, 2) == [30 + 200, 200]
 
 
 def test_estimate_cli_with_levers(capsys):
@@ -106,7 +115,7 @@ def test_estimate_cli_with_levers(capsys):
                      "--muon-fraction", "0.9", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["optimizer"], out["muon_fraction"]) == ("muon", 0.9)
-    assert out["theory"]["optimizer"] == round((4 + 0.9 * 2 + 0.1 * 8) * 7e9 / 8)
+    assert out["theory"]["optimizer"] == round((4 + 0.9 * (2 + 2) + 0.1 * 8) * 7e9 / 8)   # momentum + staged copy
     assert cli.main(["estimate", "--params", "7e9", "--world-size", "8", "--zero", "2", "--master-weights", "bf16",
                      "--optimizer-states", "bf16"]) == 0
     text = capsys.readouterr().out
@@ -150,12 +159,14 @@ def test_measured_optimizer_bytes_match_theory_on_two_ranks(two_ranks):
         adam = memory.theory(psi, 2, 2)["optimizer"]
         bf16 = memory.theory(psi, 2, 2, master_weights="bf16", optimizer_states="bf16")["optimizer"]
         muon = memory.theory(psi, 2, 2, optimizer="muon", muon_fraction=split["muon_fraction"])["optimizer"]
-        straddle = 2 * (whole[rank] - split["muon"] // 2)  # bf16 momentum of the matrix cut by the boundary
+        # the bf16 momentum of the matrix cut by the boundary, in both copies (committed and staged)
+        straddle = 2 * memory.MUON_MOMENTUM_COPIES * (whole[rank] - split["muon"] // 2)
         measured = {name: run["memory"]["optimizer"] - 4 for name, run in runs.items()}  # - Adam's step counter
         assert measured == {"Adam": adam, "bf16 masters + states": bf16, "Muon": muon + straddle}
         assert abs(measured["Muon"] / muon - 1) < 0.02  # the even-split theory, within the straddling matrix
         census = runs["Muon"]["census"]
         assert optimizer_states.state_bytes(census, "muon", "momentum_buffer") == 2 * whole[rank]
+        assert optimizer_states.state_bytes(census, "muon", "staged momentum") == 2 * whole[rank]
         assert {r["dtype"] for r in census if r["state"] == "momentum_buffer"} == {"bf16"}
         assert {r["dtype"] for r in runs["bf16 masters + states"]["census"]} == {"bf16"}
 

@@ -1,4 +1,5 @@
 """dslab.messages: one catalogue in English and Chinese; the locale or --lang picks the language."""
+import argparse
 import ast
 import json
 import re
@@ -84,6 +85,37 @@ def test_config_check_speaks_chinese_in_a_chinese_locale(tmp_path):
               LANG="zh_CN.UTF-8")
     assert "2 problems" in en.stdout and "did you mean 'zero_optimization.overlap_comm'?" in en.stdout, en.stdout
     assert not CJK.search(en.stdout)
+
+
+def test_the_async_io_note_names_what_uses_it_in_both_languages():
+    """Written out in each language rather than filled in from dslab.env's English AIO_OP."""
+    from dslab import env
+
+    entry = messages.CATALOGUE["env.aio_use"]
+    assert env.AIO_OP[2] in entry["en"] and "NVMe 卸载" in entry["zh"] and "检查点" in entry["zh"]
+
+
+def _options_named(parser, option, path=()):
+    """(command path, option) for every sub-command parser, at any depth, that defines `option` itself."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(path + (name,), option)] if option in sub._option_string_actions else []
+                found += _options_named(sub, option, path + (name,))
+    return found
+
+
+def test_no_command_has_its_own_lang_option():
+    """argparse copies a sub-command's defaults over the global options: a command with its own --lang would reset
+    `dslab --lang zh COMMAND ...` to the locale's language (dslab eval's question filter is --question-lang)."""
+    from dslab.cli import build_parser
+
+    parser = build_parser()
+    assert _options_named(parser, "--lang") == []
+    args = parser.parse_args(["--lang", "zh", "eval", "--model-name", "小海", "--model-author", "蓝天学院",
+                              "--question-lang", "en"])
+    assert args.lang == "zh" and args.question_lang == "en"
 
 
 def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):

@@ -90,10 +90,3 @@ def test_ceiling_reuses_chapter_02s_measurement(monkeypatch):
 
     monkeypatch.setattr(mfu.precision, "matmul_gflops", fake)
     assert mfu.ceiling("bf16", 1) == 123.0 and seen == {"name": "bf16", "n": mfu.CEILING_N, "repeats": 3, "threads": 1}
-
-
-def test_quiet_means_no_load_beyond_one_busy_thread(monkeypatch):
-    monkeypatch.setattr(mfu.os, "getloadavg", lambda: (1.2, 1.0, 1.0))
-    assert mfu.machine_is_quiet(cores=2) and not mfu.machine_is_quiet(cores=1)
-    monkeypatch.setattr(mfu.os, "getloadavg", lambda: (2.5, 1.0, 1.0))
-    assert not mfu.machine_is_quiet(cores=2)

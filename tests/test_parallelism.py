@@ -19,6 +19,17 @@ def test_schedule_bubble_is_p_minus_1_over_m_plus_p_minus_1():
                                                                         {"micro-batches": 8, "2 stages": 0.111}]
 
 
+def test_in_flight_micro_batches_follow_1f1b_and_deepspeeds_buffers():
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    assert pipeline.in_flight(4, 2) == {0: 2, 1: 1}
+    for stages in (2, 3, 5):
+        for m in (1, 2, 3, 7):
+            for stage, most in pipeline.in_flight(m, stages).items():
+                assert most == min(stages - stage, m)
+                assert TrainSchedule(m, stages, stage).num_pipe_buffers() == max(2, most)
+
+
 def test_bubble_report_recovers_the_slots_of_a_schedule():
     slot = 0.05
     report = pipeline.bubble_report({m: (m + 3 - 1) * slot for m in (1, 2, 4, 8)}, stages=3)
@@ -55,6 +66,35 @@ def test_hpz_config_is_valid_and_counters_add_up():
     assert check_config(plain, world_size=4, device="cpu") == [] and check_config(hier, world_size=4, device="cpu") == []
     assert "zero_hpz_partition_size" not in plain["zero_optimization"]
     assert hier["zero_optimization"]["zero_hpz_partition_size"] == 2
-    assert hpz.gathered_bytes([[256, 3], [1024, 2]]) == 256 * 3 + 1024 * 2
+    assert hpz.shard_bytes([[256, 3], [1024, 2]]) == 256 * 3 + 1024 * 2   # what the comms logger's sizes add up to
+    # what a rank writes on gloo: (group - 1) x each shard, plus 48-byte preambles (4 per peer-step and half-shard)
+    assert hpz.gloo_gather_bytes([[256, 3]], 4) == 3 * (3 * 256 + 2 * 3 * (2 * 48 + 48))
+    assert hpz.gloo_gather_bytes([[1024, 1]], 2) == 1024 + 2 * (2 * 48 + 48)
     raw = {"all_reduce | [Caller Func: forward]": {8: [2, [0.1, 0.2], [], []], 16: [1, [0.3], [], []]}}
     assert tensor_parallel.collectives(raw) == {"all_reduce | [Caller Func: forward]": {"calls": 3, "bytes": 32}}
+
+
+def test_tcp_bytes_counts_each_connection_and_names_its_peer():
+    """dslab.comm.tcp_bytes: payload bytes per connection, keyed by the peer's end (as local_endpoints names it)."""
+    import socket
+    import sys
+
+    from dslab import comm
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TCP_INFO byte counters are Linux's")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        with client, accepted:
+            client.sendall(b"x" * 100_000)
+            got = 0
+            while got < 100_000:
+                got += len(accepted.recv(1 << 16))
+            accepted.sendall(b"y" * 7)
+            assert client.recv(16) == b"y" * 7
+            counts = comm.tcp_bytes()   # {the other end: [sent, received]} for both ends, both in this process
+            assert counts[accepted.getsockname()] == [100_000, 7]   # the client's connection
+            assert counts[client.getsockname()] == [7, 100_000]     # the server's end of it
+            ends = comm.local_endpoints()
+            assert client.getsockname() in ends and accepted.getsockname() in ends

@@ -88,8 +88,9 @@ def test_code_and_outputs_are_the_english_ones(english):
     for i, (a, b) in enumerate(zip(en["cells"], zh["cells"])):
         if a["cell_type"] != "code":
             continue
-        assert zh_sync.code_without_comments(zh_sync.text(b)) == zh_sync.code_without_comments(zh_sync.text(a)), \
-            f"{twin.name} cell {i}: the code differs from the English (comments aside); {fix}"
+        assert zh_sync.same_code(zh_sync.text(b), zh_sync.text(a)), \
+            f"{twin.name} cell {i}: the code differs from the English (comments aside; a %%writefile cell line for " \
+            f"line); {fix}"
         assert b["outputs"] == a["outputs"], f"{twin.name} cell {i}: stored outputs differ from the English; {fix}"
         assert b.get("execution_count") == a.get("execution_count"), f"{twin.name} cell {i}: {fix}"
     assert zh["metadata"] == en["metadata"], f"{twin.name}: notebook metadata (kernel) differs; {fix}"
@@ -151,6 +152,32 @@ def test_comments_are_stripped_but_code_is_compared():
     assert zh_sync.code_without_comments("y = '#changed'") != zh_sync.code_without_comments("y = '#not a comment'")
     assert zh_sync.code_without_comments("%%px\nengine.step()  # 每个进程\n") == ["%%px", "engine.step()"]
     assert zh_sync.code_without_comments("%%bash\necho 1  # a\n") == ["%%bash", "echo 1  # a"]  # not Python
+
+
+def test_a_writefile_cell_keeps_the_english_line_numbers():
+    """The script a %%writefile cell writes is run, and its tracebacks and stacks name lines: a translated comment
+    stays on its line, so the zh script's code sits on the same lines as the English one's."""
+    en = "%%writefile run.py\nimport os  # the OS\n\nx = 1  # why,\n       # and more why\nprint(x)\n"
+    zh = "%%writefile run.py\nimport os  # 操作系统\n\nx = 1  # 原因，\n       # 还有更多原因\nprint(x)\n"
+    assert zh_sync.code_lines(zh) == zh_sync.code_lines(en) == ["%%writefile run.py", "import os", "", "x = 1", "",
+                                                                "print(x)"]
+    assert zh_sync.same_code(zh, en)
+    joined = "%%writefile run.py\nimport os  # 操作系统\n\nx = 1  # 原因，还有更多原因\nprint(x)\n"  # one line fewer
+    assert not zh_sync.same_code(joined, en)
+    assert zh_sync.same_code(joined.replace("%%writefile run.py", "%%px"), en.replace("%%writefile run.py", "%%px"))
+    nb = _nb(("code", en))
+    zh_nb = json.loads(json.dumps(nb))
+    zh_nb["cells"][0]["source"] = joined
+    rebuilt, report = zh_sync.rebuild(nb, zh_nb, "demo")
+    assert zh_sync.text(rebuilt["cells"][0]) == en and report.code_reset == [(0, "c0")]
+
+
+@pytest.mark.parametrize("chapters", [("05_lora_sft", "08_cli_and_multinode")])
+def test_zh_chapters_05_and_08_write_the_same_training_script(chapters):
+    """As the English chapters do (tests/test_sft.py): the script is one, whichever chapter writes it."""
+    scripts = [[zh_sync.text(c).split("\n", 1)[1] for c in load(zh_sync.ZH_DIR / f"{name}.ipynb")["cells"]
+                if c["cell_type"] == "code" and zh_sync.text(c).startswith("%%writefile")] for name in chapters]
+    assert len(scripts[0]) == 1 and scripts[0] == scripts[1]
 
 
 def _nb(*cells):
@@ -320,6 +347,24 @@ def test_lab_zh_sets_the_chinese_locale_with_an_installed_language_pack():
     assert "--ServerApp.kernel_manager_class=tools.zh_lab.KernelManager" in argv
     pins = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'"jupyterlab-language-pack-zh-cn==[\w.]+"', pins), "pin the language pack in the dev extras"
+
+
+def test_lab_zh_makes_dslab_speak_chinese_whatever_the_locale(monkeypatch):
+    """`make lab-zh` sets DSLAB_LANG=zh in the server's environment, which every kernel and terminal inherits."""
+    from jupyterlab.labapp import LabApp
+
+    from dslab import messages
+
+    for var in ("DSLAB_LANG", "LC_ALL", "LC_MESSAGES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LANG", "en_US.UTF-8")  # an English (or C) OS locale
+    monkeypatch.setenv("DSLAB_LANG", "en")     # even one left over from `dslab --lang en`
+    started = []
+    monkeypatch.setattr(LabApp, "launch_instance", classmethod(lambda cls, argv=None: started.append(argv)))
+    zh_lab.main(["--port=1"])
+    assert started == [zh_lab.lab_argv(["--port=1"])]
+    assert messages.language() == "zh" and zh_lab.LAB_ENV == {messages.LANG_ENV: "zh"}
+    assert messages.say("env.memory") == "内存"
 
 
 def test_make_test_notebooks_leaves_zh_out():

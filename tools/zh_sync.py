@@ -16,7 +16,9 @@ from it cell by cell, so the two cannot drift (tests/test_zh_edition.py checks i
 Markdown, which stays in the zh notebook itself (edit it in JupyterLab or through export/import). Each zh
 Markdown cell has the id of the English cell it translates and, in its metadata, a short hash of the English
 text it was translated from. A code cell may carry Chinese comments: it is kept as long as its code without
-comments equals the English; otherwise the English cell replaces it and the sync says so.
+comments equals the English; otherwise the English cell replaces it and the sync says so. A `%%writefile` cell
+must match line for line (a comment translated on its own line, none added or removed): the script it writes then
+has the English line numbers, which its tracebacks, py-spy stacks and the stored outputs show.
 
 What stops a sync, so that a translator knows which cell to update:
 - an English Markdown cell with no zh twin (new in English): listed with its first line;
@@ -94,17 +96,17 @@ def en_sha(source):
     return hashlib.sha1(source.strip().encode("utf-8")).hexdigest()[:12]
 
 
-def code_without_comments(source):
-    """A code cell's lines without comments and blank lines: what must equal the English, line for line.
+def code_lines(source):
+    """Every line of a code cell without its comment (a comment-only line becomes ""), trailing blank lines dropped.
 
     Python (also under %%px / %%writefile) loses its `#` comments via tokenize, so a '#' inside a string stays;
-    shell (`!`) and magic (`%`) lines, and cells that do not tokenize, are compared as written.
+    shell (`!`) and magic (`%`) lines, and cells that do not tokenize, are kept as written.
     """
     lines = source.splitlines()
     head = []
     if lines and lines[0].startswith("%%"):
         if not lines[0].startswith(PYTHON_CELL_MAGICS):
-            return [ln.rstrip() for ln in lines if ln.strip()]
+            return _trimmed([ln.rstrip() for ln in lines])
         head, lines = [lines[0].rstrip()], lines[1:]
     # Line magics and shell escapes are not Python: blank them for tokenize, put them back unchanged.
     special = {i: ln.rstrip() for i, ln in enumerate(lines) if ln.lstrip().startswith(("!", "%"))}
@@ -113,14 +115,28 @@ def code_without_comments(source):
         comments = [tok.start for tok in tokenize.generate_tokens(io.StringIO(body).readline)
                     if tok.type == tokenize.COMMENT]
     except (tokenize.TokenError, IndentationError, SyntaxError):
-        return head + [ln.rstrip() for ln in source.splitlines()[len(head):] if ln.strip()]
+        return _trimmed(head + [ln.rstrip() for ln in lines])
     cut = {row - 1: col for row, col in comments}
-    out = []
-    for i, ln in enumerate(lines):
-        ln = special.get(i, ln[:cut[i]] if i in cut else ln).rstrip()
-        if ln.strip():
-            out.append(ln)
-    return head + out
+    return _trimmed(head + [special.get(i, ln[:cut[i]] if i in cut else ln).rstrip() for i, ln in enumerate(lines)])
+
+
+def _trimmed(lines):
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return lines
+
+
+def code_without_comments(source):
+    """A code cell's lines without comments and blank lines: what must equal the English, line for line."""
+    return [ln for ln in code_lines(source) if ln.strip()]
+
+
+def same_code(zh_source, en_source):
+    """Whether a zh code cell is the English one but for its comments: a %%writefile cell line for line (the file it
+    writes keeps the English line numbers), any other cell once blank and comment-only lines are left out."""
+    if en_source.startswith("%%writefile"):
+        return code_lines(zh_source) == code_lines(en_source)
+    return code_without_comments(zh_source) == code_without_comments(en_source)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,7 +198,7 @@ def rebuild(english_nb, zh_nb, chapter="", force=False, reviewed=False):
             cell = copy.deepcopy(en)
             old = zh_code.get(en["id"])
             if old is not None and text(old) != text(en):
-                if code_without_comments(text(old)) == code_without_comments(text(en)):
+                if same_code(text(old), text(en)):
                     cell["source"] = old["source"]  # same code, Chinese comments kept
                 else:
                     rep.code_reset.append((pos, en["id"]))

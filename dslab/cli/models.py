@@ -157,7 +157,8 @@ def add_eval(subparsers):
     p.add_argument("--model-author", nargs="+", required=True, help="the author expected: one, or zh then en")
     p.add_argument("--questions", help="a .jsonl of {\"query\", \"lang\", \"asks\": \"name\"|\"author\"} "
                                        "(default: data/identity_eval.jsonl)")
-    p.add_argument("--lang", choices=["en", "zh"], help="only the questions of this language")
+    # Not --lang: that is dslab's own option (`dslab --lang zh eval ...`), which a sub-command's --lang would reset.
+    p.add_argument("--question-lang", choices=["en", "zh"], help="score only the identity questions in this language")
     p.add_argument("--json", action="store_true", help="print every answer and the scores as JSON")
     p.set_defaults(func=eval_command)
 
@@ -180,8 +181,8 @@ def eval_command(args):
     hf_logging.set_verbosity_error()
     name, author = name_from_flag(args.model_name), name_from_flag(args.model_author)
     rows = data.identity_eval(args.questions) if args.questions else None
-    if args.lang:
-        rows = [r for r in (rows or data.identity_eval()) if r["lang"] == args.lang]
+    if args.question_lang:
+        rows = [r for r in (rows or data.identity_eval()) if r["lang"] == args.question_lang]
     model, tokenizer = load_from_args(args)
     identity, id_rows = evaluate.identity_accuracy(model, tokenizer, name, author, rows)
     general, gen_rows = evaluate.general_accuracy(model, tokenizer)

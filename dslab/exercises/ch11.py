@@ -12,11 +12,13 @@ expect("11.min_micro_batches", 63, wrong=(70, 64, 56, 7, 72),
        hint="solve (p - 1) / (m + p - 1) <= 0.1 for the smallest whole m with p = 8 stages.")
 
 
-# 11.tp_dp_config: 8 ranks = 4 data-parallel groups of 2 tensor-parallel ranks, ZeRO-1, micro batch 4, and 32
+# 11.tp_dp_config: 8 ranks in tensor-parallel groups of 2 = 4 model replicas (a data-parallel degree of 4; in
+# DeepSpeed's sense 2 data-parallel groups of 4 ranks, one rank of each replica), ZeRO-1, micro batch 4, and 32
 # distinct samples per optimizer step. The trap: DeepSpeed counts every rank, tensor-parallel ones too, in
 # train_batch_size = micro x accumulation x world_size (runtime/config.py reads dist.get_world_size() when no
-# mpu is given, and AutoTP passes none), while only the 4 groups see different samples.
+# mpu is given, and AutoTP passes none), while only the 4 replicas see different samples.
 WORLD_SIZE, AUTOTP_SIZE, MICRO_BATCH, SAMPLES_PER_STEP = 8, 2, 4, 32
+REPLICAS = WORLD_SIZE // AUTOTP_SIZE
 
 
 def _tp_config(**changes):
@@ -28,10 +30,10 @@ def _tp_config(**changes):
 
 
 _TP_DP_WRONG = (
-    _tp_config(train_batch_size=32),                                   # counted the data-parallel groups only
+    _tp_config(train_batch_size=32),                                   # counted the replicas only
     _tp_config(gradient_accumulation_steps=1, train_batch_size=32),    # 4 x 4 = 16 samples per step, not 32
     _tp_config(tensor_parallel={"tp_size": 2}),                        # init_inference's key: unknown here
-    _tp_config(tensor_parallel={"autotp_size": 4}),                    # 2 data-parallel groups, not 4
+    _tp_config(tensor_parallel={"autotp_size": 4}),                    # 2 replicas, not 4
     _tp_config(zero_optimization={"stage": 3}),                        # ZeRO-1 was asked for
     {k: v for k, v in _tp_config().items() if k != "tensor_parallel"},  # no tensor parallelism at all
 )
@@ -51,28 +53,32 @@ def _check_tp_dp_config(cfg):
                       "fields)")
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps", 1)
     total = cfg.get("train_batch_size")
-    if isinstance(micro, int) and isinstance(accum, int) and total == micro * accum * (WORLD_SIZE // AUTOTP_SIZE):
-        raise Mistake(f"train_batch_size {total} counts the 4 data-parallel groups, but DeepSpeed's check counts every "
-                      f"rank (micro x accumulation x 8 = {micro * accum * WORLD_SIZE}) and refuses the config at "
-                      "deepspeed.initialize; give that product, or leave train_batch_size out")
+    if isinstance(micro, int) and isinstance(accum, int) and total == micro * accum * REPLICAS:
+        raise Mistake(f"train_batch_size {total} counts the {REPLICAS} model replicas (the data-parallel degree), but "
+                      f"DeepSpeed's check counts every rank (micro x accumulation x 8 = {micro * accum * WORLD_SIZE}) "
+                      "and refuses the config at deepspeed.initialize; give that product, or leave train_batch_size "
+                      "out")
     problems = check_config(cfg, world_size=WORLD_SIZE, device="cpu")
     if problems:  # unknown keys (which DeepSpeed ignores), a batch triple DeepSpeed would refuse, wrong types
         raise Mistake("dslab.config_check.check_config finds (world_size 8, as DeepSpeed counts):\n  "
                       + "\n  ".join(str(p) for p in problems[:3]))
     tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if not tp:
+        raise Mistake("no tensor_parallel.autotp_size: without it every rank holds the whole model (8 replicas); "
+                      f'AutoTP in groups of {AUTOTP_SIZE} is "tensor_parallel": {{"autotp_size": {AUTOTP_SIZE}}}')
     if tp != AUTOTP_SIZE:
-        raise Mistake(f"tensor_parallel.autotp_size is {tp}: 8 ranks in 4 data-parallel groups means groups of "
-                      f"{WORLD_SIZE // 4} tensor-parallel ranks")
+        raise Mistake(f"tensor_parallel.autotp_size is {tp}: 8 ranks in tensor-parallel groups of {tp} make "
+                      f"{WORLD_SIZE // tp} model replicas; {REPLICAS} replicas on 8 ranks means groups of {AUTOTP_SIZE}")
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     if stage != 1:
         raise Mistake(f"zero_optimization.stage is {stage}; the task asks for ZeRO-1 (optimizer states sharded "
-                      "over each data-parallel group)")
+                      "over each data-parallel group: the ranks holding the same slices, one per replica)")
     if micro != MICRO_BATCH:
         raise Mistake(f"train_micro_batch_size_per_gpu is {micro}; the task fixes it at {MICRO_BATCH}")
-    groups = WORLD_SIZE // tp
-    samples = micro * accum * groups
+    replicas = WORLD_SIZE // tp
+    samples = micro * accum * replicas
     if samples != SAMPLES_PER_STEP:
-        raise Mistake(f"each step sees {micro} x {accum} x {groups} data-parallel groups = {samples} distinct "
-                      f"samples (tensor-parallel ranks share theirs), not {SAMPLES_PER_STEP}: change "
+        raise Mistake(f"each step sees {micro} x {accum} x {replicas} model replicas = {samples} distinct samples "
+                      f"(the ranks of a tensor-parallel group share theirs), not {SAMPLES_PER_STEP}: change "
                       "gradient_accumulation_steps")
     return True

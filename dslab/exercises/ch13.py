@@ -78,12 +78,14 @@ def _answer_without(config, batch_size, seq_len, term):
 
 
 # 13.muon_bytes: optimizer-state bytes per parameter (K) under DeepSpeed's Muon at ZeRO-2 in bf16, for a model whose
-# layer matrices hold 90 % of its parameters: fp32 master copy for all (4), a bf16 momentum on the matrices
-# (0.9 x 2), Adam's two fp32 moments on the rest (0.1 x 8).
-expect("13.muon_bytes", 6.6, rel=1e-3, wrong=(12, 6.0, 2.6, 8.4, 4.2),
-       hint="every parameter keeps a master copy (4 bytes, fp32); on top, a Muon matrix keeps one momentum buffer "
-            "in the gradients' dtype (bf16: 2 bytes) and every other parameter Adam's two fp32 moments (8 bytes). "
-            "Weigh the two by 0.9 and 0.1; dslab.memory.optimizer_bytes checks it.")
+# layer matrices hold 90 % of its parameters: fp32 master copy for all (4), a bf16 momentum on the matrices and, at
+# ZeRO 1-2, its staged copy kept between steps (0.9 x (2 + 2)), Adam's two fp32 moments on the rest (0.1 x 8).
+# 6.6 is the count without the staged copy.
+expect("13.muon_bytes", 8.4, rel=1e-3, wrong=(12, 6.6, 6.0, 2.6, 4.2),
+       hint="every parameter keeps a master copy (4 bytes, fp32); on top, a Muon matrix keeps a momentum buffer in "
+            "the gradients' dtype (bf16: 2 bytes), and ZeRO-1/2 keep a second, staged copy of it between steps "
+            "(stage_1_and_2.py, _muon_staging_momentum); every other parameter keeps Adam's two fp32 moments "
+            "(8 bytes). Weigh the two by 0.9 and 0.1; dslab.memory.optimizer_bytes checks it.")
 
 
 # 13.bf16_states: the learner writes a ds_config whose optimizer states take 6 bytes per parameter on the

@@ -16,8 +16,8 @@ def my_forward_flops(config, batch_size, seq_len):
     return layers + 2 * tokens * h * config.vocab_size  # + the output head
 
 
-# 13.muon_bytes: Muon on 90 % of the parameters, ZeRO-2, bf16: 4 (fp32 master) + 0.9 x 2 (bf16 momentum)
-# + 0.1 x 8 (Adam's two fp32 moments).
+# 13.muon_bytes: Muon on 90 % of the parameters, ZeRO-2, bf16: 4 (fp32 master) + 0.9 x (2 + 2) (the bf16 momentum
+# and the staged copy ZeRO-2 keeps of it between steps) + 0.1 x 8 (Adam's two fp32 moments) = 8.4.
 muon_bytes = memory.optimizer_bytes("bf16", optimizer="muon", muon_fraction=0.9, zero_stage=2)["total"]
 
 # 13.bf16_states: bf16 master weights and bf16 Adam moments on the accelerator: 2 + 2 + 2 bytes per parameter.
