@@ -30,6 +30,11 @@ BROWSER_SKIPS = [  # pytestmark of the tests that drive JupyterLab in chromium
 ]
 
 
+# What deepspeed.initialize says where the accelerator has no fp16 (DeepSpeed's own words, checked by the tests that
+# force that answer: most CPUs; AVX512-FP16 / AMX-FP16 Xeons and GPUs accept fp16).
+FP16_REFUSAL = "Type fp16 is not supported on your device"
+
+
 def force_fp16_support(monkeypatch, supported):
     """Make DeepSpeed's accelerator answer `supported` to is_fp16_supported() for one test, on any machine: both
     branches of what depends on it (fp16 refused on most CPUs, allowed on AVX512-FP16 / AMX-FP16 Xeons and GPUs)."""

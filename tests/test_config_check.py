@@ -10,7 +10,7 @@ from dslab import config as C
 from dslab import config_check as CC
 from dslab import config_keys
 from dslab.cli import main
-from support import force_fp16_support, valid_config
+from support import FP16_REFUSAL, force_fp16_support, valid_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_fp16_on_a_cpu_accelerator(monkeypatch):
     force_fp16_support(monkeypatch, False)   # most CPUs (an AVX512-FP16 Xeon says yes: the test below)
     cfg = good(precision="fp16")
     p = only_problem(CC.check_config(cfg, world_size=2, device="cpu"), "fp16.enabled")
-    assert "Type fp16 is not supported on your device" in p.problem and "bf16" in p.fix
+    assert FP16_REFUSAL in p.problem and "bf16" in p.fix
     assert CC.check_config(cfg, world_size=2, device="cuda") == []
     assert CC.check_config(cfg, world_size=2, device="any") == []
 
@@ -128,7 +128,7 @@ def test_fp16_on_a_cpu_accelerator_that_says_yes_or_no(supported, monkeypatch):
         assert problems == []
     else:
         p = only_problem(problems, "fp16.enabled")
-        assert "AVX512-FP16" in p.problem and "Type fp16 is not supported" in p.problem and "bf16" in p.fix
+        assert "AVX512-FP16" in p.problem and FP16_REFUSAL in p.problem and "bf16" in p.fix
 
 
 def test_bf16_on_a_gpu_without_bf16(monkeypatch):

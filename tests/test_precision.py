@@ -11,6 +11,7 @@ import torch
 
 from dslab import loss_scaling, models, plots, precision
 from dslab.exercises import ch02
+from support import FP16_REFUSAL
 
 
 def test_dtype_table_matches_ieee_layouts():
@@ -156,7 +157,7 @@ def test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refus
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if fp16_supported == "no":
-        assert "fp16 is not supported" in result["refused"]
+        assert FP16_REFUSAL in result["refused"]
         return
     trace, replay = result["trace"], result["replay"]
     assert [r["step"] for r in trace if r["skipped"]] == [2, 3]          # the spiky batches, and only those
