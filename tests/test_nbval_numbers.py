@@ -1,6 +1,5 @@
 """tests/nbval_numbers.py: stored notebook outputs hold on other machines, and the comparison stays strict."""
 import copy
-import json
 import os
 import re
 import subprocess
