@@ -106,6 +106,8 @@ def tcp_bytes():
     import struct
 
     out = {}
+    if not hasattr(socket, "TCP_INFO"):  # Linux's socket option; macOS and Windows name no such counters
+        return out
     for sock, peer in _tcp_connections():
         try:
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
