@@ -10,7 +10,8 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser \
-        test-decks-if-chromium test-widget-if-chromium test-gpu slides bench chromium clean
+        test-decks-if-chromium test-widget-if-chromium test-gpu slides bench chromium clean \
+        swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
 
@@ -90,8 +91,44 @@ test-decks-if-chromium: setup
 test-widget-if-chromium: setup
 	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q $(WIDGET_TEST); fi
 
+# The training tools of chapter 14, each in a venv of its own: their pins cannot share dslab's (ms-swift 4.6.0 needs
+# transformers<5.20 and peft<0.21; LLaMA-Factory 0.9.5 transformers<=5.6, peft<=0.18.1, accelerate<=1.11). Same
+# torch and deepspeed as dslab; everything else exactly as tools/venvs/*.txt pins it. The course works without them:
+# chapter 14's tool cells then say how to build them, and `make test` compares only what ran.
+SWIFT_VENV := .venv-swift
+LF_VENV    := .venv-llamafactory
+
+swift: $(SWIFT_VENV)/.installed
+llamafactory: $(LF_VENV)/.installed
+tool-venvs: swift llamafactory
+
+$(SWIFT_VENV)/.installed: tools/venvs/ms-swift.txt
+	test -x $(SWIFT_VENV)/bin/python || $(PY) -m venv $(SWIFT_VENV)
+	$(SWIFT_VENV)/bin/pip install --quiet --upgrade pip
+	$(SWIFT_VENV)/bin/pip install --quiet torch==2.13.0
+	$(SWIFT_VENV)/bin/pip install --quiet --no-deps -r tools/venvs/ms-swift.txt
+	touch $@
+
+$(LF_VENV)/.installed: tools/venvs/llamafactory.txt
+	test -x $(LF_VENV)/bin/python || $(PY) -m venv $(LF_VENV)
+	$(LF_VENV)/bin/pip install --quiet --upgrade pip
+	$(LF_VENV)/bin/pip install --quiet torch==2.13.0
+	$(LF_VENV)/bin/pip install --quiet --no-deps -r tools/venvs/llamafactory.txt
+ifeq ($(HAS_GPU),)
+	# llamafactory/data/mm_plugin.py imports torchaudio at start-up; the registry's torchaudio is a CUDA build whose
+	# libraries need libc10_cuda.so. Without them torchaudio imports as pure Python (torchaudio/_extension/utils.py:
+	# _load_lib returns False when no library file is there), which is all text SFT needs.
+	rm -f $(LF_VENV)/lib/python*/site-packages/torchaudio/lib/*.so
+endif
+	touch $@
+
+# Chapter 14 and the --print-equivalent runs, with both tools' venvs built (about 3 minutes to build, then ~12 to run).
+test-tools: setup tool-venvs
+	$(BIN)/python -m pytest -q tests/test_tools_runs.py
+	$(BIN)/python -m pytest -q --nbval notebooks/14_swift_and_llamafactory.ipynb --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
+
 bench: setup
 	$(BIN)/python benchmarks/course_bench.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SWIFT_VENV) $(LF_VENV)

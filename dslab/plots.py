@@ -219,6 +219,27 @@ def loss_curve(loss_log, window=8, title="Training loss"):
     return fig, {"step": steps, "loss": losses, "smoothed": smoothed}
 
 
+def tool_runs(runs):
+    """Loss and learning rate per optimizer step of the same SFT run in several tools, side by side.
+
+    runs: {label: [{"step", "loss", "lr"}, ...]} (dslab.tool_data.training_log, dslab's loss_log.json); data: the
+    same, as {label: {"step": [...], "loss": [...], "lr": [...]}}."""
+    fig, (loss_ax, lr_ax) = _figure(ncols=2, width=5.0, height=3.2)
+    data = {}
+    for label, log in runs.items():
+        data[label] = {key: [e[key] for e in log] for key in ("step", "loss", "lr")}
+        loss_ax.plot(data[label]["step"], data[label]["loss"], lw=1.2, label=label)
+        lr_ax.plot(data[label]["step"], data[label]["lr"], lw=1.2, label=label)
+    loss_ax.set(xlabel="optimizer step", ylabel="loss (nats per token)")
+    loss_ax.set_title("Training loss, as each tool logs it", fontsize=9)
+    lr_ax.set(xlabel="optimizer step", ylabel="learning rate")
+    lr_ax.set_title("Learning-rate schedule", fontsize=9)
+    for ax in (loss_ax, lr_ax):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, data
+
+
 # ---------------------------------------------------------------------------------------- communication
 
 _COMM_BARS = (("ideal", "ideal (ZeRO paper, ring)", "#b0b0b0"),

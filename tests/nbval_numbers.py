@@ -155,11 +155,13 @@ _machine = {}
 
 
 def this_machine():
-    """The facts of this machine a cell may depend on (dslab.env.accelerator_info), asked once."""
+    """The facts of this machine a cell may depend on (dslab.env.accelerator_info, and which tool venvs are built:
+    dslab.launch.tools.venv_facts), asked once."""
     if not _machine:
         from dslab.env import accelerator_info
+        from dslab.launch.tools import venv_facts
 
-        _machine.update(accelerator_info())
+        _machine.update(accelerator_info(), **venv_facts())
     return _machine
 
 

@@ -8,8 +8,8 @@ Course tooling, run from the repository root after changing a chapter's code:
                                            with `python tests/nbval_numbers.py STORED DIR/COPY` on each
 
 A recorded notebook keeps, in its metadata, the facts of the machine that recorded it ("dslab": {"recorded_on":
-dslab.env.accelerator_info()}): cells whose output depends on one of them say so, and are compared only on a
-machine where it is the same (tests/nbval_numbers.py). Then refresh the Chinese twins: python -m tools.zh_sync.
+dslab.env.accelerator_info() and dslab.launch.tools.venv_facts()}): cells whose output depends on one of them say
+so, and are compared only on a machine where it is the same (tests/nbval_numbers.py). Then refresh the Chinese twins: python -m tools.zh_sync.
 A cell that raises stops the recording with its traceback (nothing is written).
 """
 import argparse
@@ -39,6 +39,7 @@ def record(path, out_dir=None, timeout=900):
     from nbclient import NotebookClient
 
     from dslab.env import accelerator_info
+    from dslab.launch.tools import venv_facts
 
     text = path.read_text(encoding="utf-8")
     nb = nbformat.reads(text, as_version=4)
@@ -48,7 +49,7 @@ def record(path, out_dir=None, timeout=900):
     for cell, done in zip(raw["cells"], run["cells"]):
         if cell["cell_type"] == "code":
             cell["outputs"], cell["execution_count"] = done["outputs"], done["execution_count"]
-    raw["metadata"].setdefault("dslab", {})["recorded_on"] = accelerator_info()
+    raw["metadata"].setdefault("dslab", {})["recorded_on"] = {**accelerator_info(), **venv_facts()}
     target = (Path(out_dir) / path.name) if out_dir else path
     tmp = target.with_suffix(".ipynb.tmp")
     tmp.write_text(json.dumps(raw, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,127 @@
+"""The training tools that live in venvs of their own (chapter 14): ms-swift's `swift` and LLaMA-Factory's
+`llamafactory-cli`, built by `make swift` / `make llamafactory` beside dslab's .venv. Their command lines run as
+typed, with the tool's venv first on PATH; several lines are the nodes of one job, started together on this
+machine. Each node's whole output goes to a log file; the cell shows the command and where the log is."""
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from dslab.launch.guard import parent_death_signal
+from dslab.launch.supervise import LaunchError
+from dslab.messages import say
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+# command -> (venv folder beside .venv, make target that builds it)
+VENVS = {"swift": (".venv-swift", "swift"), "llamafactory-cli": (".venv-llamafactory", "llamafactory")}
+PINS = {"dslab": "pyproject.toml", "ms-swift": "tools/venvs/ms-swift.txt", "LLaMA-Factory": "tools/venvs/llamafactory.txt"}
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
+def venv_bin(command):
+    """The bin folder of the venv that holds `command` ("swift" or "llamafactory-cli"), or None if not built."""
+    folder, _ = VENVS[command]
+    bin_dir = ROOT / folder / "bin"
+    return bin_dir if (bin_dir / command).exists() and (ROOT / folder / ".installed").exists() else None
+
+
+def built(command):
+    """True if `make` has built the venv of `command`."""
+    return venv_bin(command) is not None
+
+
+def not_built_note(command):
+    """The one line a cell prints instead of running `command` when its venv is not there."""
+    return say("tools.not_built", command=command, target=VENVS[command][1])
+
+
+def _pins(path):
+    """{package: version} of every `name==version` in a requirements file or pyproject.toml's dependency list."""
+    pins = {}
+    for line in (ROOT / path).read_text(encoding="utf-8").splitlines():
+        line = line.strip().strip('",')
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def version_table(packages=("torch", "deepspeed", "transformers", "peft", "accelerate", "trl", "datasets",
+                            "ms-swift", "llamafactory")):
+    """One row per package: the version dslab pins (pyproject.toml) and each tool's venv (tools/venvs/*.txt),
+    "-" where one does not install it."""
+    pins = {env: _pins(path) for env, path in PINS.items()}
+    return [{"package": package, **{env: pins[env].get(package, "-") for env in PINS}} for package in packages]
+
+
+def split_tool_command(line):
+    """(env assignments, argv) of "NPROC_PER_NODE=2 swift sft ..."; LaunchError unless it runs a known tool."""
+    argv = shlex.split(line)
+    env = {}
+    while argv and _ASSIGNMENT.fullmatch(argv[0]):
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    if not argv or argv[0] not in VENVS:
+        raise LaunchError(say("tools.unknown", line=line, tools=", ".join(VENVS)))
+    return env, argv
+
+
+def run_tool(lines, log_dir, timeout=3600, show=True):
+    """Run tool command lines as typed (one per node, started together) and wait for all of them.
+
+    Each node's output goes to log_dir/node{i}.log. If a node fails, the others are stopped and LaunchError
+    quotes the end of the failed node's log. Returns the log paths."""
+    lines = [lines] if isinstance(lines, str) else list(lines)
+    parsed = [split_tool_command(line) for line in lines]
+    for _, argv in parsed:
+        if not built(argv[0]):
+            raise LaunchError(not_built_note(argv[0]))
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for node, (env, argv) in enumerate(parsed):
+        bin_dir = venv_bin(argv[0])
+        full = dict(os.environ, **env)
+        full["PATH"] = f"{bin_dir}{os.pathsep}{full.get('PATH', '')}"
+        full["VIRTUAL_ENV"] = str(bin_dir.parent)
+        full.pop("PYTHONPATH", None)           # dslab's packages must not leak into the tool's venv
+        full.pop("MPLBACKEND", None)           # a notebook's inline backend: matplotlib elsewhere refuses it
+        full.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download: every model and dataset is local
+        if show:
+            print(("# node %d: " % node if len(lines) > 1 else "") + "$ " + lines[node], flush=True)
+        log = log_dir / f"node{node}.log"
+        logs.append(log)
+        with open(log, "w", encoding="utf-8") as out:
+            procs.append(subprocess.Popen([str(bin_dir / argv[0])] + argv[1:], env=full, stdout=out,
+                                          stderr=subprocess.STDOUT, preexec_fn=parent_death_signal()))
+    deadline = time.monotonic() + timeout
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if time.monotonic() > deadline:
+            failed = next(i for i, p in enumerate(procs) if p.poll() is None)
+        time.sleep(0.5)
+    failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    if failed is not None:
+        tail = "\n".join(logs[failed].read_text(encoding="utf-8", errors="replace").splitlines()[-30:])
+        raise LaunchError(say("tools.failed", node=failed, line=lines[failed], code=procs[failed].returncode,
+                              log=logs[failed], tail=tail))
+    if show:
+        print(f"exit 0; output in {', '.join(str(log) for log in logs)}", flush=True)
+    return logs
+
+
+def venv_facts():
+    """Which tool venvs this machine has, as recorded notebooks keep it (tools/record.py): chapter 14's tool cells
+    depend on it ("dslab": {"depends_on": ["swift_venv"]}) and are compared only where it matches."""
+    return {"swift_venv": built("swift"), "llamafactory_venv": built("llamafactory-cli")}
