@@ -1,105 +1,39 @@
-"""The run `dslab sft` would start, written for the tools people train with afterwards: the Hugging Face Trainer
-(TrainingArguments + a DeepSpeed config dict), ms-swift 4.6 (`swift sft`) and LLaMA-Factory 0.9.5 (a YAML for
-`llamafactory-cli train`). `describe` reads the data and any --deepspeed file (no model, no ranks); `hf`, `swift`
-and `llamafactory` turn its plan into text. What a tool has no setting for is a comment line, never an invented
-flag. tests/test_equivalents.py checks every printed flag and key against the tools' own argument definitions.
+"""The run `dslab sft` would start, for the tools people train with afterwards: the Hugging Face Trainer (a train.py),
+ms-swift 4.6 (`swift sft`) and LLaMA-Factory 0.9.5 (`llamafactory-cli train` on a YAML).
+
+`render(target, plan)` turns a dslab.sft_plan plan into the text to print and the files its command needs (the data in
+the tool's own format, configs, the script), which `sft_plan.write` puts into OUTPUT-<tool>/. The printed commands run
+as pasted in the tool's venv (`make swift`, `make llamafactory`; dslab's .venv for hf): they need no dslab. What a tool
+has no setting for is a comment line, never an invented flag. tests/test_equivalents.py checks every flag against the
+tools' argument definitions; tests/test_tools_runs.py runs the printed commands for a few steps in the tools' venvs.
 """
-import copy
-import inspect
 import json
+import math
 import os
 import pprint
 import shlex
-from pathlib import Path
 
-from dslab import data, files, lora, models, sft
+from dslab import data, sft_plan, tool_data
+from dslab.launch import tools
+from dslab.sft_plan import CHAT_STYLES, trainer_ds_config, work_dir
 
 TARGETS = ("hf", "swift", "llamafactory")
-# ms-swift 4.6 ships these DeepSpeed configs under these names (swift/arguments/sft_args.py, _init_deepspeed),
+# ms-swift 4.6 ships these DeepSpeed configs (swift/config/*.json, named in swift/arguments/sft_args.py _init_deepspeed),
 # keyed here by (stage, optimizer offloaded, parameters offloaded).
 SWIFT_PRESETS = {(0, False, False): "zero0", (1, False, False): "zero1", (2, False, False): "zero2",
                  (3, False, False): "zero3", (2, True, False): "zero2_offload", (3, True, True): "zero3_offload"}
-# The values TrainingArguments also holds: the Trainer fills "auto" from it and stops on a config that disagrees.
-TRAINER_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                  "gradient_clipping")
-DATA_FILE = "train.jsonl"  # the chats dslab trains on, written by the printed command for swift and LLaMA-Factory
-
-
-def describe(args):
-    """The run, as plain values, from `dslab sft`'s parsed arguments (an argparse Namespace or anything alike)."""
-    data_files = [str(f) for f in (args.data or [sft.DEFAULT_DATA])]
-    name, author = data.name_pair(args.model_name, "--model-name"), data.name_pair(args.model_author, "--model-author")
-    n_examples = len(sft.load_chats(data_files, name, author, args.mix_general, args.seed))  # DataError if malformed
-    world_size, epochs, full = args.world_size, args.epochs, args.full
-    if args.deepspeed:  # the recipe then takes the whole config from the file: stage, batch sizes, optimizer
-        ds_config = sft.read_deepspeed_file(args.deepspeed, world_size)
-        accum = ds_config.get("gradient_accumulation_steps", 1)
-        micro = ds_config.get("train_micro_batch_size_per_gpu") or ds_config["train_batch_size"] // (accum * world_size)
-        steps = sft.total_steps(n_examples, world_size, micro, accum, epochs)
-    else:
-        micro, accum = args.micro_batch_size, args.grad_accum_steps
-        steps = sft.total_steps(n_examples, world_size, micro, accum, epochs)
-        ds_config = sft.deepspeed_config(args.zero, world_size, micro, accum, args.lr or sft.default_lr(full), steps)
-    zero = ds_config.get("zero_optimization", {})
-    adam = ds_config.get("optimizer", {}).get("params", {})
-    schedule = ds_config.get("scheduler", {}).get("params", {})
-    return {
-        "output": str(args.output), "model": models.resolve_model(args.model),
-        "default_model": Path(models.resolve_model(args.model)).resolve() == models.DEFAULT_MODEL_DIR,
-        "data": data_files,
-        "model_name": list(args.model_name), "model_author": list(args.model_author), "mix_general": args.mix_general,
-        "n_examples": n_examples, "seed": args.seed, "max_length": sft.RECIPE_DEFAULTS["max_length"],
-        "full": full, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
-        # the recipe calls lora.attach_lora without a dropout, so its default is the run's
-        "lora_dropout": inspect.signature(lora.attach_lora).parameters["dropout"].default,
-        "target_modules": list(args.target_modules or lora.DEFAULT_TARGETS),
-        "zero_stage": zero.get("stage", 0), "ds_config": ds_config, "deepspeed_file": args.deepspeed,
-        "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") != "none",
-        "offload_param": zero.get("offload_param", {}).get("device", "none") != "none",
-        "world_size": world_size, "micro_batch_size": micro, "grad_accum_steps": accum, "epochs": epochs,
-        "steps": steps, "lr": adam.get("lr"), "betas": list(adam.get("betas", (0.9, 0.999))),
-        "eps": adam.get("eps", 1e-8), "weight_decay": adam.get("weight_decay", 0.01),  # torch AdamW's defaults
-        "scheduler": ds_config.get("scheduler", {}).get("type"), "warmup_steps": schedule.get("warmup_num_steps", 0),
-        "min_lr_ratio": schedule.get("cos_min_ratio", 0.0),
-        "max_grad_norm": ds_config.get("gradient_clipping", 1.0),  # DeepSpeed 0.19's default
-        "precision": "bf16" if ds_config.get("bf16", {}).get("enabled") else
-                     "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "log_every": args.log_every or max(1, steps // 8), "save_every": args.save_every,
-        "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "timeout": args.timeout,
-    }
+# (swift --template, LLaMA-Factory template, LLaMA-Factory default_system) for each chat format (sft_plan.chat_style)
+TEMPLATES = {"chatml": ("chatml", "chatml", None), "qwen2": ("qwen", "qwen", CHAT_STYLES["qwen2"]),
+             "qwen2.5": ("qwen2_5", "qwen", None)}
 
 
 def render(target, plan):
-    """The text for one of TARGETS."""
+    """(text to print, {file name in work_dir: text}) for one of TARGETS."""
     return {"hf": hf, "swift": swift, "llamafactory": llamafactory}[target](plan)
 
 
-def write_chats(path, data_files, model_name, model_author, mix_general=None, seed=0):
-    """Write the chats `dslab sft` trains on ({name}/{author} filled, general dialogue mixed in) as {"messages"}
-    rows, the format ms-swift and LLaMA-Factory read; returns how many. The printed commands call this."""
-    chats = sft.load_chats(data_files, data.name_pair(model_name), data.name_pair(model_author), mix_general, seed)
-    files.atomic_write_text(path, "".join(json.dumps({"messages": c["messages"]}, ensure_ascii=False) + "\n"
-                                          for c in chats))
-    return len(chats)
-
-
-def trainer_ds_config(ds_config):
-    """dslab's DeepSpeed config as the HF Trainer takes it: "auto" where TrainingArguments holds the value; the ZeRO
-    section, the optimizer and scheduler types and everything else stay as dslab runs them."""
-    cfg = copy.deepcopy(ds_config)
-    for key in TRAINER_FILLED:
-        cfg[key] = "auto"
-    for precision in ("bf16", "fp16"):
-        if precision in cfg:
-            cfg[precision]["enabled"] = "auto"
-    for section, keys in (("optimizer", ("lr", "betas", "eps", "weight_decay")),
-                          ("scheduler", ("total_num_steps", "warmup_num_steps", "warmup_max_lr"))):
-        params = cfg.get(section, {}).get("params", {})
-        for key in keys:
-            if key in params or section == "optimizer":
-                params[key] = "auto"
-    return cfg
+def _jsonl(rows):
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -132,8 +66,8 @@ def global_batch(plan):
             f"{m * a * w} examples per optimizer step")
 
 
-def summary(plan):
-    """Comment lines that say what `dslab sft` would run, the same for every target."""
+def summary(plan, tool):
+    """Comment lines that say what `dslab sft` would run, and the steps `tool` (a Trainer) plans for it."""
     p = plan
     what = "full fine-tuning" if p["full"] else (f"LoRA r={p['lora_r']} alpha={_num(p['lora_alpha'])} dropout "
                                                  f"{p['lora_dropout']} on {' '.join(p['target_modules'])}")
@@ -141,6 +75,7 @@ def summary(plan):
     schedule = (f"warm-up {p['warmup_steps']} steps, then cosine to {_num(p['min_lr_ratio'])} x lr" if
                 p["scheduler"] == "WarmupCosineLR" else "constant" if not p["scheduler"] else p["scheduler"])
     mix = "as many as the data" if p["mix_general"] is None else p["mix_general"]
+    per_rank = math.ceil(p["n_examples"] / p["micro_batch_size"])
     return "\n".join([
         f"# The run `dslab sft --output {p['output']}` starts: {what} of {_shown(p['model'])},",
         f"# ZeRO-{p['zero_stage']} ({'offload: ' + ' and '.join(offload) if offload else 'no offload'}), {p['precision']}"
@@ -151,6 +86,9 @@ def summary(plan):
          f"{p['betas'][0]}/{p['betas'][1]}, weight decay {p['weight_decay']}), {schedule}, clip {p['max_grad_norm']}"),
         (f"# data: {' '.join(_shown(f) for f in p['data'])} with {{name}}/{{author}} = {' / '.join(p['model_name'])}, "
          f"{' / '.join(p['model_author'])}; general dialogue mixed in: {mix}; max length {p['max_length']} tokens"),
+        (f"# {tool} plans {p['tool_steps']} steps, not {p['steps']}: its DataLoader keeps the last partial batch "
+         f"(ceil({p['n_examples']}/{p['micro_batch_size']}) = {per_rank} batches, dealt evenly to {p['world_size']} "
+         f"rank{'s' * (p['world_size'] != 1)}) where dslab drops it; warm-up {p['tool_warmup_steps']} steps"),
         ("# The examples are the same; the order each tool draws them in is its own, so losses follow the same trend,"
          " not the same values."),
     ] + (["# With --deepspeed, dslab takes the ZeRO stage, batch sizes, precision and optimizer from that file:",
@@ -171,182 +109,325 @@ def _unmatched(plan, tool):
     return lines
 
 
-def _export_command(plan, work_dir):
-    """The shell lines that write the chats dslab trains on into work_dir (dslab installed)."""
-    p = plan
-    call = ", ".join(_py(v) for v in (str(Path(work_dir) / DATA_FILE), [_shown(f) for f in p["data"]], p["model_name"],
-                                      p["model_author"], p["mix_general"], p["seed"]))
-    return [f"mkdir -p {shlex.quote(work_dir)}",
-            "python -c " + shlex.quote(f"from dslab import equivalents; equivalents.write_chats({call})")]
+def _written(plan, target, described):
+    """Comment lines that list the files --print-equivalent wrote for the command: [(name, what it holds)]."""
+    return [f"# dslab wrote what it reads into {work_dir(plan, target)}/:"] + [
+        f"#   {name}: {what}" if what else f"#   {name}" for name, what in described]
 
 
-def _py(value):
-    """A Python literal in double quotes, so that the shell's single quotes around the code stay plain."""
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # a JSON string is also a Python string literal
-    if isinstance(value, list):
-        return "[" + ", ".join(_py(v) for v in value) + "]"
-    return repr(value)
+def _schedule(plan):
+    """(lr_scheduler_type, lr_scheduler_kwargs or None): dslab's DeepSpeed schedule as the Trainer names it."""
+    if plan["scheduler"] == "WarmupCosineLR":  # linear warm-up, then cosine down to cos_min_ratio x lr
+        return "cosine_with_min_lr", {"min_lr_rate": plan["min_lr_ratio"]}
+    return "constant", None
+
+
+def _venv_line(plan, target):
+    """Where the printed lines run: the tool's venv and the folder the paths are relative to."""
+    folder, make = tools.VENVS[{"swift": "swift", "llamafactory": "llamafactory-cli"}[target]]
+    return [f"# In {target}'s venv (make {make}; source {tools.ROOT / folder}/bin/activate), from the folder the "
+            "paths are relative to:", f"cd {shlex.quote(plan['cwd'])}"]
 
 
 # ----------------------------------------------------------------------------------------------------
 # The three targets
 # ----------------------------------------------------------------------------------------------------
 def hf(plan):
-    """Python for the Hugging Face Trainer: TrainingArguments, the DeepSpeed config dict and the LoRA config."""
+    """(train.py for the Hugging Face Trainer, {"train.py", "train.jsonl"}): printed and written alike."""
     p = plan
-    ds_text = pprint.pformat(trainer_ds_config(p["ds_config"]), indent=1, width=100, sort_dicts=True)
-    scheduler = ("cosine_with_min_lr", {"min_lr_rate": p["min_lr_ratio"]}) if p["scheduler"] == "WarmupCosineLR" \
-        else ("constant", None)
-    kwargs = [("output_dir", p["output"]), ("per_device_train_batch_size", p["micro_batch_size"]),
+    wd = work_dir(p, "hf")
+    ds = trainer_ds_config(p["ds_config"])
+    zero = ds.get("zero_optimization", {})
+    scheduler, scheduler_kwargs = _schedule(p)
+    kwargs = [("output_dir", f"{wd}/output"), ("per_device_train_batch_size", p["micro_batch_size"]),
               ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
-              ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler[0])]
-    kwargs += [("lr_scheduler_kwargs", scheduler[1])] if scheduler[1] else []
-    kwargs += [("warmup_steps", p["warmup_steps"]), ("weight_decay", p["weight_decay"]),
+              ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
+    kwargs += [("lr_scheduler_kwargs", scheduler_kwargs)] if scheduler_kwargs else []
+    kwargs += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
                ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
                ("max_grad_norm", p["max_grad_norm"]), ("bf16", p["precision"] == "bf16"),
                ("fp16", p["precision"] == "fp16"), ("gradient_checkpointing", p["gradient_checkpointing"])]
     kwargs += [("gradient_checkpointing_kwargs", {"use_reentrant": False})] if p["gradient_checkpointing"] else []
-    kwargs += [("seed", p["seed"]), ("logging_steps", p["log_every"])]
+    kwargs += [("seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
     kwargs += ([("save_strategy", "steps"), ("save_steps", p["save_every"])] if p["save_every"]
                else [("save_strategy", "no")])
     kwargs += [("report_to", "none"), ("deepspeed", "ds_config")]
-    lines = ["# The Hugging Face Trainer (transformers + peft + DeepSpeed) for this dslab run.", summary(p), "#",
-             (f"# Save as train.py and start it on {p['world_size']} rank{'s' * (p['world_size'] != 1)}: "
-              f"deepspeed --num_gpus {p['world_size']} train.py (or torchrun --nproc_per_node {p['world_size']} train.py)"),
-             "import torch", "from peft import LoraConfig", "from transformers import TrainingArguments", "",
-             "# dslab's DeepSpeed config; \"auto\" where TrainingArguments holds the value (the Trainer fills it in)",
-             f"ds_config = {ds_text}", "", "args = TrainingArguments("]
+    world = p["world_size"]
+    lines = ["# The Hugging Face Trainer (transformers + peft + DeepSpeed) for this dslab run.", summary(p, "The Trainer"),
+             "#", *_written(p, "hf", [("train.py", "this script"), ("train.jsonl", f"the {p['n_examples']} chats dslab "
+                                                                            "trains on (names filled, general mixed in)")]),
+             f"# Start it on {world} rank{'s' * (world != 1)} from {p['cwd']}, in dslab's venv (or any with transformers,",
+             f"# peft and deepspeed): deepspeed --num_gpus {world} {wd}/train.py (or torchrun --nproc_per_node {world} ...)",
+             "# A hub model instead of MODEL's folder: MODEL = \"Qwen/Qwen2.5-0.5B-Instruct\" (from China, with",
+             "# HF_ENDPOINT=https://hf-mirror.com set; or fetch it from ModelScope first: modelscope download --model",
+             "# Qwen/Qwen2.5-0.5B-Instruct --local_dir DIR, and MODEL = DIR).",
+             *_unmatched(p, "the Trainer"),
+             "import json", "from pathlib import Path", "",
+             "import deepspeed", "import torch", "from peft import LoraConfig, get_peft_model",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, "
+             "TrainingArguments", "",
+             f"MODEL = {_shown(p['model'])!r}",
+             "DATA = Path(__file__).with_name(\"train.jsonl\")",
+             f"MAX_LENGTH = {p['max_length']}  # dslab cuts a chat's tokens here (the kit's chats are shorter)", "",
+             "# dslab's DeepSpeed config; \"auto\" where TrainingArguments holds the value (the Trainer fills it in).",
+             "# No \"scheduler\" section: with one, DeepSpeed would build the schedule and lr_scheduler_type below would",
+             "# be ignored; without, the Trainer builds the schedule lr_scheduler_type names.",
+             f"ds_config = {pprint.pformat(ds, indent=1, width=100, sort_dicts=True)}", "", "args = TrainingArguments("]
     for key, value in kwargs:
         note = f"  # {global_batch(p)}" if key == "gradient_accumulation_steps" else ""
         lines.append(f"    {key}={value if key == 'deepspeed' else repr(value)},{note}")
     lines += ["    use_cpu=not torch.cuda.is_available(),  # CPU ranks (gloo) where there is no GPU, as dslab runs", ")"]
-    if p["full"]:
-        lines.append("# Full fine-tuning: no LoRA config; every weight trains.")
-    else:
+    if not p["full"]:
         lines.append(f"lora_config = LoraConfig(r={p['lora_r']}, lora_alpha={_num(p['lora_alpha'])!r}, "
                      f"lora_dropout={p['lora_dropout']!r}, target_modules={p['target_modules']!r}, "
                      "task_type='CAUSAL_LM', bias='none')")
-    model = _shown(p["model"])
-    lines += ["", "# The rest of train.py, as dslab's recipe does it (dslab/recipes/sft.py):",
-              "# from peft import get_peft_model",
-              "# from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer",
-              "# from dslab import data, sft",
-              f"# tokenizer = AutoTokenizer.from_pretrained({model!r})",
-              (f"# model = AutoModelForCausalLM.from_pretrained({model!r})  # fp32 weights; DeepSpeed's "
-               f"{p['precision']} mode casts them"),
-              *([] if p["full"] else ["# model = get_peft_model(model, lora_config)"]),
-              (f"# chats = sft.load_chats({[_shown(f) for f in p['data']]!r}, {p['model_name']!r}, "
-               f"{p['model_author']!r}, {p['mix_general']!r}, {p['seed']!r})"),
-              f"# train_dataset = sft.tokenize(tokenizer, chats, max_length={p['max_length']})  # prompts labelled -100",
-              "# Trainer(model=model, args=args, train_dataset=train_dataset,",
-              "#         data_collator=lambda batch: data.collate(batch, tokenizer.pad_token_id)).train()",
-              f"# model.save_pretrained({p['output']!r})"]
-    return "\n".join(lines + _unmatched(p, "the Trainer")) + "\n"
+    lines += ["",
+              "# args holds an HfDeepSpeedConfig now: under ZeRO-3 from_pretrained creates every weight inside",
+              "# deepspeed.zero.Init, already cut into per-rank partitions. On CPUs (use_cpu) accelerate started the",
+              "# gloo group itself, and DeepSpeed's comm layer must wrap it before zero.Init counts the ranks, or it",
+              "# counts 1. On GPUs accelerate has called this already: then it does nothing.",
+              "deepspeed.init_distributed()",
+              "tokenizer = AutoTokenizer.from_pretrained(MODEL)",
+              "# fp32 weights, as dslab loads them (DeepSpeed's bf16 mode keeps them as master weights and computes in",
+              "# bf16). Without dtype=, transformers 5 loads the checkpoint's own dtype (\"auto\": bf16 for dslab-tiny).",
+              "model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, use_safetensors=True)"]
+    lines += ["# Full fine-tuning: no LoRA; every weight trains."] if p["full"] else \
+        ["model = get_peft_model(model, lora_config)"]
+    lines += ["END = tokenizer.convert_tokens_to_ids(\"<|im_end|>\") if \"<|im_end|>\" in tokenizer.get_vocab() \\",
+              "    else tokenizer.eos_token_id", "", "",
+              "def example(messages):",
+              "    \"\"\"input_ids + labels: the loss learns each answer up to its end token; the prompt is -100.\"\"\"",
+              "    input_ids, labels, done = [], [], \"\"",
+              "    for i, message in enumerate(messages):",
+              "        if message[\"role\"] != \"assistant\":",
+              "            continue",
+              "        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)",
+              "        full = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)",
+              "        prompt_ids = tokenizer.encode(prompt[len(done):], add_special_tokens=False)",
+              "        answer_ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)",
+              "        stop = answer_ids.index(END) + 1 if END in answer_ids else len(answer_ids)",
+              "        input_ids += prompt_ids + answer_ids",
+              "        labels += [-100] * len(prompt_ids) + answer_ids[:stop] + [-100] * (len(answer_ids) - stop)",
+              "        done = full",
+              "    return {\"input_ids\": input_ids[:MAX_LENGTH], \"labels\": labels[:MAX_LENGTH]}", "", "",
+              "chats = [json.loads(line)[\"messages\"] for line in DATA.read_text(encoding=\"utf-8\").splitlines()]",
+              "trainer = Trainer(model=model, args=args, train_dataset=[example(c) for c in chats], processing_class=tokenizer,",
+              "                  data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))",
+              "trainer.train()"]
+    if p["zero_stage"] == 3:
+        lines += ["# trainer.save_model(), not model.save_pretrained(): under ZeRO-3 every rank holds only its partitions,",
+                  "# and save_pretrained would write empty tensors. save_model gathers a LoRA adapter always; a whole",
+                  "# model only with stage3_gather_16bit_weights_on_model_save (without it, a DeepSpeed checkpoint to",
+                  "# convert with zero_to_fp32)."
+                  + (" This config has it." if zero.get("stage3_gather_16bit_weights_on_model_save") else
+                     " This config lacks it." if p["full"] else "")]
+    lines += [f"trainer.save_model()  # into {wd}/output",
+              "torch.distributed.destroy_process_group()  # leave the gloo group before exit, or a finished rank may abort"]
+    text = "\n".join(lines) + "\n"
+    return text, {"train.py": text, "train.jsonl": _jsonl(sft_plan.chat_rows(p))}
 
 
 def swift(plan):
-    """A shell script: write the chats, then the `swift sft` command line (ms-swift 4.6.0)."""
+    """(the `swift sft` command with its comments, {files it reads}) for ms-swift 4.6.0."""
     p = plan
-    work_dir = f"{p['output'].rstrip('/')}-swift"
+    wd = work_dir(p, "swift")
+    parts = sft_plan.split_data(p)
+    written, datasets = {}, []
+    if parts["query_response"]:
+        rows = [r for path in parts["query_response"] for r in tool_data.swift_self_cognition_rows(path)]
+        written["self-cognition/self_cognition.jsonl"] = _jsonl(rows)
+        datasets.append(f"{wd}/self-cognition")
+    if parts["chats"]:
+        written["chats.jsonl"] = _jsonl({"messages": c["messages"]} for c in parts["chats"])
+        datasets.append(f"{wd}/chats.jsonl")
+    if parts["general"]:
+        written["general.jsonl"] = _jsonl(parts["general"])
+        datasets.append(f"{wd}/general.jsonl")
     preset = SWIFT_PRESETS.get((p["zero_stage"], p["offload_optimizer"], p["offload_param"]))
-    flags = [("model", _shown(p["model"]))]
-    # dslab-tiny's config names Qwen2ForCausalLM, which several swift model types share; its template is ChatML
-    flags += [("model_type", "qwen2"), ("template", "chatml")] if p["default_model"] else []
-    flags += [("dataset", str(Path(work_dir) / DATA_FILE)), ("model_name", p["model_name"]),
-              ("model_author", p["model_author"]), ("max_length", p["max_length"]), ("truncation_strategy", "right"),
+    if not preset:
+        written["ds_config.json"] = json.dumps(trainer_ds_config(p["ds_config"]), indent=2, sort_keys=True) + "\n"
+    template_lines, flags = _swift_model_flags(p)
+    flags += [("dataset", datasets)]
+    if parts["query_response"]:
+        flags += [("model_name", p["model_name"]), ("model_author", p["model_author"])]
+    flags += [("max_length", p["max_length"]), ("truncation_strategy", "right"),
               ("tuner_type", "full" if p["full"] else "lora")]
     if not p["full"]:
         flags += [("lora_rank", p["lora_r"]), ("lora_alpha", _num(p["lora_alpha"])), ("lora_dropout", p["lora_dropout"]),
                   ("target_modules", p["target_modules"])]
-    flags += [("deepspeed", preset or str(Path(work_dir) / "ds_config.json")),
-              ("per_device_train_batch_size", p["micro_batch_size"]),
+    scheduler, scheduler_kwargs = _schedule(p)
+    flags += [("deepspeed", preset or f"{wd}/ds_config.json"), ("per_device_train_batch_size", p["micro_batch_size"]),
               ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
-              ("learning_rate", p["lr"])]
-    if p["scheduler"] == "WarmupCosineLR":
-        flags += [("lr_scheduler_type", "cosine_with_min_lr"),
-                  ("lr_scheduler_kwargs", json.dumps({"min_lr_rate": p["min_lr_ratio"]}))]
-    else:
-        flags += [("lr_scheduler_type", "constant")]
-    flags += [("warmup_steps", p["warmup_steps"]), ("weight_decay", p["weight_decay"]), ("adam_beta1", p["betas"][0]),
-              ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]), ("max_grad_norm", p["max_grad_norm"]),
-              # dslab loads fp32 weights and lets DeepSpeed cast them; swift would infer fp16 from float32
-              ("torch_dtype", "float32"), ("bf16", p["precision"] == "bf16"), ("fp16", p["precision"] == "fp16"),
-              ("gradient_checkpointing", p["gradient_checkpointing"])]
+              ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
+    flags += [("lr_scheduler_kwargs", json.dumps(scheduler_kwargs))] if scheduler_kwargs else []
+    flags += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
+              ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
+              ("max_grad_norm", p["max_grad_norm"]), ("torch_dtype", "float32"),
+              ("bf16", p["precision"] == "bf16"), ("fp16", p["precision"] == "fp16")]
+    flags += [("use_cpu", True)] if p["use_cpu"] else []
+    flags += [("gradient_checkpointing", p["gradient_checkpointing"])]
     flags += [("gradient_checkpointing_kwargs", json.dumps({"use_reentrant": False}))] if p["gradient_checkpointing"] else []
-    flags += [("seed", p["seed"]), ("data_seed", p["seed"]), ("logging_steps", p["log_every"])]
-    flags += [("save_steps", p["save_every"])] if p["save_every"] else []
-    flags += [("output_dir", p["output"])]
-    lines = ["# ms-swift 4.6.0 (`swift sft`) for this dslab run.", summary(p), "#",
-             "# swift's --model_name/--model_author fill {{NAME}}/{{AUTHOR}} in its own swift/self-cognition data only,",
-             f"# while dslab fills {{name}}/{{author}} in its files: so the chats are written first ({DATA_FILE}:",
-             "# names filled, general dialogue mixed in), and the two flags stay for when you add swift/self-cognition."]
+    flags += [("seed", p["seed"]), ("data_seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
+    flags += [("save_steps", p["save_every"])] if p["save_every"] else [("save_only_model", True)]
+    flags += [("add_version", False), ("output_dir", f"{wd}/output")]
+
+    described = [(n, what) for n, what in (
+        ("self-cognition/self_cognition.jsonl", "the self-cognition rows in swift's own format ({{NAME}}/{{AUTHOR}}, "
+         "tag zh/en).\n#     The folder's name makes swift load it as its registered self-cognition dataset, whose "
+         "rows\n#     --model_name/--model_author fill (swift/dataset/dataset_syntax.py); they change no other data"),
+        ("chats.jsonl", "the other chats, names filled"),
+        ("general.jsonl", f"the {len(parts['general'])} general chats dslab mixes in"),
+        ("ds_config.json", "dslab's DeepSpeed config (swift has no preset for this ZeRO setup), without its scheduler"))
+        if n in written]
+    lines = ["# ms-swift 4.6.0 (`swift sft`) for this dslab run.", summary(p, "swift"), "#",
+             *_written(p, "swift", described)]
+    lines += template_lines
     if preset:
-        lines.append(f"# --deepspeed {preset}: swift's own ZeRO-{p['zero_stage']} config; its bucket sizes are \"auto\""
-                     " (hidden_size^2) where dslab's are sized for the tiny model.")
-    else:
-        lines.append(f"# swift has no preset for this ZeRO setup: the script writes dslab's config to "
-                     f"{work_dir}/ds_config.json.")
-    lines += _unmatched(p, "swift") + _export_command(p, work_dir)
-    if not preset:
-        lines += [f"cat > {shlex.quote(str(Path(work_dir) / 'ds_config.json'))} <<'EOF'",
-                  json.dumps(trainer_ds_config(p["ds_config"]), indent=2, sort_keys=True), "EOF"]
+        lines += [f"# --deepspeed {preset}: swift's own config (swift/config/{preset}.json): "
+                  + ("fixed bucket sizes (2e8 elements) where dslab sizes them for the model;" if p["zero_stage"] < 3
+                     else "bucket sizes \"auto\" (filled from the hidden size), as the Trainer fills them;"),
+                  "# it has no optimizer or scheduler section, so swift runs the Trainer's AdamW (torch) and the "
+                  "--lr_scheduler_type below."]
+    lines += ["# --torch_dtype float32: the weights load in fp32, as dslab loads them (swift's default is the "
+              "checkpoint's dtype); DeepSpeed's bf16 mode computes in bf16.",
+              f"# --gradient_checkpointing {str(p['gradient_checkpointing']).lower()}: as dslab (swift's default is "
+              "true). --truncation_strategy right: cut a long chat's end, as dslab (swift's default drops the chat).",
+              (f"# Output: {wd}/output (--add_version false; by default swift writes OUTPUT/vN-TIMESTAMP/): "
+               "logging.jsonl, args.json, and at the end checkpoint-N/ with the "
+               + ("model" if p["full"] else "adapter")
+               + ("" if p["save_every"] else " (--save_only_model true: no optimizer states, as dslab keeps none)")
+               + "."),
+              ]
+    if p["local_model"]:
+        lines.append("# --check_model false: the model is a local folder; swift would ask ModelScope whether it is the "
+                     "newest version (retries for ~7 s offline).")
+    if p["use_cpu"]:
+        lines.append("# --use_cpu true: no GPU here (without it the Trainer refuses --bf16 on CPU: \"Your setup doesn't"
+                     " support bf16/gpu\").")
+    lines += ["# On GPUs: drop --use_cpu; NPROC_PER_NODE=number of GPUs. A hub model instead, e.g. --model "
+              "Qwen/Qwen2.5-0.5B-Instruct without",
+              "# --model_type/--template/--check_model (swift takes them from the id): swift downloads it from "
+              "ModelScope (--use_hf false,",
+              "# its default; reachable from China); --use_hf true takes the Hugging Face hub (from China: "
+              "HF_ENDPOINT=https://hf-mirror.com).",
+              "# Or download first: modelscope download --model Qwen/Qwen2.5-0.5B-Instruct --local_dir DIR, then "
+              "--model DIR --model_type qwen2 --template qwen2_5."]
+    lines += _unmatched(p, "swift") + _venv_line(p, "swift")
     command = [f"NPROC_PER_NODE={p['world_size']} swift sft \\"]
     for key, value in flags:
         values = value if isinstance(value, list) else [value]
-        shown = [str(v).lower() if isinstance(v, bool) else str(v) for v in values]
+        shown = [str(v).lower() if isinstance(v, bool) else _shown(v) if key in ("model", "dataset") else str(v)
+                 for v in values]
         command.append(f"    --{key} {' '.join(shlex.quote(v) for v in shown)} \\")
     command[-1] = command[-1][:-2]
-    return "\n".join(lines + command) + "\n"
+    return "\n".join(lines + command) + "\n", written
+
+
+def _swift_model_flags(plan):
+    """(comment lines, [(flag, value)]) that tell swift the model, its model_type and its chat template."""
+    p = plan
+    flags = [("model", p["model"])]
+    style = p["chat_style"]
+    if style and p["local_model"]:
+        # a folder's name rarely matches a registered model id, and Qwen2ForCausalLM is both qwen2 and qwen2_gte
+        model_type = [("model_type", "qwen2")] if p["architecture"] == "Qwen2ForCausalLM" else []
+        flags += model_type + [("template", TEMPLATES[style][0])]
+        lines = [f"# --template {TEMPLATES[style][0]}: the model's own chat template is "
+                 + ("ChatML without a system prompt" if style == "chatml" else f"{style}'s ChatML with its system prompt")
+                 + ("" if model_type else "; swift picks --model_type from config.json (set it if swift asks)")]
+    elif style:
+        lines = [f"# swift matches {p['model']} to its registered model: model_type qwen2, template "
+                 f"{TEMPLATES[style][0]}."]
+    else:
+        lines = [f"# dslab cannot tell which chat template {p['model']} uses: set --template (and --model_type) to "
+                 "swift's names for it (swift/template/constant.py, swift/model/constant.py)."]
+    flags += [("check_model", False)] if p["local_model"] else []
+    return lines, flags
 
 
 def llamafactory(plan):
-    """A shell script that writes the chats, dataset_info.json, the DeepSpeed JSON and the YAML next to each other,
-    then runs `llamafactory-cli train` (LLaMA-Factory 0.9.5)."""
+    """(the YAML shown as comments and the `llamafactory-cli train` command, {files it reads}) for LLaMA-Factory 0.9.5."""
     p = plan
-    work_dir = f"{p['output'].rstrip('/')}-llamafactory"
-    ds_file = f"ds_z{p['zero_stage']}{'_offload' if p['offload_optimizer'] or p['offload_param'] else ''}_config.json"
-    dataset_info = {"dslab_sft": {"file_name": DATA_FILE, "formatting": "sharegpt", "columns": {"messages": "messages"},
-                                  "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                           "assistant_tag": "assistant", "system_tag": "system"}}}
-    keys = [("model_name_or_path", _shown(p["model"])), ("stage", "sft"), ("do_train", True),
-            ("finetuning_type", "full" if p["full"] else "lora")]
+    wd = work_dir(p, "llamafactory")
+    parts = sft_plan.split_data(p)
+    name, author = data.name_pair(p["model_name"]), data.name_pair(p["model_author"])
+    written, info = {}, {}
+    if parts["query_response"]:
+        rows = [r for path in parts["query_response"] for r in tool_data.llamafactory_identity_rows(name, author, path)]
+        written["identity.json"] = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
+        info["identity"] = {"file_name": "identity.json"}  # alpaca columns: instruction, input, output
+    if parts["chats"]:
+        written["chats.jsonl"] = _jsonl({"messages": c["messages"]} for c in parts["chats"])
+        info["chats"] = {"file_name": "chats.jsonl", **tool_data.SHAREGPT_MESSAGES}
+    if parts["general"]:
+        written["general.jsonl"] = _jsonl(parts["general"])
+        info["general"] = {"file_name": "general.jsonl", **tool_data.SHAREGPT_MESSAGES}
+    written["dataset_info.json"] = json.dumps(info, indent=1) + "\n"
+    written["ds_config.json"] = json.dumps(trainer_ds_config(p["ds_config"]), indent=2, sort_keys=True) + "\n"
+    keys = [("model_name_or_path", _shown(p["model"]))]
+    style = p["chat_style"]
+    if style:
+        keys += [("template", TEMPLATES[style][1])]
+        keys += [("default_system", TEMPLATES[style][2])] if TEMPLATES[style][2] else []
+    keys += [("stage", "sft"), ("do_train", True), ("finetuning_type", "full" if p["full"] else "lora")]
     if not p["full"]:
         keys += [("lora_rank", p["lora_r"]), ("lora_alpha", _num(p["lora_alpha"])), ("lora_dropout", p["lora_dropout"]),
                  ("lora_target", ",".join(p["target_modules"]))]
-    keys += [("deepspeed", str(Path(work_dir) / ds_file)), ("dataset", "dslab_sft"), ("dataset_dir", work_dir),
-             ("template", "chatml"), ("cutoff_len", p["max_length"]), ("output_dir", p["output"]),
+    scheduler, scheduler_kwargs = _schedule(p)
+    keys += [("deepspeed", f"{wd}/ds_config.json"), ("dataset", ",".join(info)), ("dataset_dir", wd),
+             ("cutoff_len", p["max_length"]), ("output_dir", f"{wd}/output"), ("overwrite_output_dir", True),
              ("per_device_train_batch_size", p["micro_batch_size"]),
              ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
-             ("learning_rate", p["lr"])]
-    if p["scheduler"] == "WarmupCosineLR":
-        keys += [("lr_scheduler_type", "cosine_with_min_lr"), ("lr_scheduler_kwargs", {"min_lr_rate": p["min_lr_ratio"]})]
-    else:
-        keys += [("lr_scheduler_type", "constant")]
-    keys += [("warmup_steps", p["warmup_steps"]), ("weight_decay", p["weight_decay"]), ("adam_beta1", p["betas"][0]),
-             ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]), ("max_grad_norm", p["max_grad_norm"])]
+             ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
+    keys += [("lr_scheduler_kwargs", scheduler_kwargs)] if scheduler_kwargs else []
+    keys += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
+             ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
+             ("max_grad_norm", p["max_grad_norm"])]
     keys += [(p["precision"], True)] if p["precision"] != "fp32" else []
+    keys += [("use_cpu", True)] if p["use_cpu"] else []
     # LLaMA-Factory checkpoints activations unless told not to; dslab only with --gradient-checkpointing
     keys += [("use_reentrant_gc", False)] if p["gradient_checkpointing"] else [("disable_gradient_checkpointing", True)]
-    keys += [("seed", p["seed"]), ("logging_steps", p["log_every"])]
+    keys += [("seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
     keys += [("save_steps", p["save_every"])] if p["save_every"] else [("save_strategy", "no")]
     keys += [("report_to", "none")]
-    yaml_lines = [f"{key}: {_yaml_value(value)}" for key, value in keys]
-    lines = ["# LLaMA-Factory 0.9.5 (`llamafactory-cli train`) for this dslab run.", summary(p), "#",
-             "# LLaMA-Factory has no --model_name/--model_author (its data/identity.json has {{name}}/{{author}} to",
-             (f"# replace by hand): the chats are written with {' / '.join(p['model_name'])} and "
-              f"{' / '.join(p['model_author'])} already filled in, as dslab fills them."),
-             "# template chatml: dslab-tiny's chat template (ChatML, no system prompt); another model takes its own.",
-             (f"# LLaMA-Factory loads the base weights in the compute dtype ({p['precision']}); dslab loads fp32 and "
-              "DeepSpeed casts them."), *_unmatched(p, "LLaMA-Factory"), *_export_command(p, work_dir),
-             f"cat > {shlex.quote(str(Path(work_dir) / 'dataset_info.json'))} <<'EOF'",
-             json.dumps(dataset_info, indent=2), "EOF",
-             f"cat > {shlex.quote(str(Path(work_dir) / ds_file))} <<'EOF'",
-             json.dumps(trainer_ds_config(p["ds_config"]), indent=2, sort_keys=True), "EOF",
-             f"cat > {shlex.quote(str(Path(work_dir) / 'dslab_sft.yaml'))} <<'EOF'", *yaml_lines, "EOF",
-             (f"FORCE_TORCHRUN=1 NPROC_PER_NODE={p['world_size']} llamafactory-cli train "
-              f"{shlex.quote(str(Path(work_dir) / 'dslab_sft.yaml'))}")]
-    return "\n".join(lines) + "\n"
+    written["train.yaml"] = "".join(f"{key}: {_yaml_value(value)}\n" for key, value in keys)
+    if style:
+        template = (f"# template {TEMPLATES[style][1]}: the model's own chat template is "
+                    + ("ChatML without a system prompt" if style == "chatml" else f"{style}'s ChatML")
+                    + (f"; default_system: Qwen2's system prompt (LLaMA-Factory's qwen template adds Qwen2.5's)"
+                       if TEMPLATES[style][2] else "") + ".")
+    else:
+        template = (f"# dslab cannot tell which chat template {p['model']} uses: add template: with LLaMA-Factory's name "
+                    "for it (llamafactory/data/template.py); left out, LLaMA-Factory parses the tokenizer's own.")
+    described = [(n, what) for n, what in (
+        ("identity.json", "the self-cognition rows, names filled per language (LLaMA-Factory has no --model_name)"),
+        ("chats.jsonl", "the other chats, names filled"),
+        ("general.jsonl", f"the {len(parts['general'])} general chats dslab mixes in"),
+        ("dataset_info.json", f"names them: {', '.join(info)}"),
+        ("ds_config.json", "dslab's DeepSpeed config, \"auto\" where the Trainer fills it, without its scheduler"),
+        ("train.yaml", "below")) if n in written]
+    lines = ["# LLaMA-Factory 0.9.5 (`llamafactory-cli train`) for this dslab run.", summary(p, "LLaMA-Factory"), "#",
+             *_written(p, "llamafactory", described),
+             template,
+             (f"# cutoff_len {p['max_length']}: LLaMA-Factory shares it out between prompt and answer where dslab cuts "
+              "the chat's end; the same while chats fit (the kit's do)."),
+             ("# The weights load in the checkpoint's dtype (LLaMA-Factory passes dtype \"auto\": bf16 for dslab-tiny), "
+              "LoRA's in fp32; dslab loads fp32."),
+             (f"# output_dir {wd}/output, apart from dslab's {p['output']}; overwrite_output_dir: without it "
+              "LLaMA-Factory refuses a folder"),
+             "# that holds an adapter, and resumes from a checkpoint-N in it.",
+             *(["# use_cpu: no GPU here (the Trainer refuses bf16 on CPU without it)."] if p["use_cpu"] else []),
+             "# On GPUs: drop use_cpu; NPROC_PER_NODE=number of GPUs. A hub model: model_name_or_path: "
+             "Qwen/Qwen2.5-0.5B-Instruct with template: qwen;",
+             "# from China, USE_MODELSCOPE_HUB=1 before llamafactory-cli takes it from ModelScope, HF_ENDPOINT="
+             "https://hf-mirror.com from a",
+             "# Hugging Face mirror; or modelscope download --model Qwen/Qwen2.5-0.5B-Instruct --local_dir DIR, and "
+             "model_name_or_path: DIR.",
+             *_unmatched(p, "LLaMA-Factory"),
+             f"# {wd}/train.yaml:", *[f"#   {line}" for line in written["train.yaml"].splitlines()],
+             *_venv_line(p, "llamafactory"),
+             f"FORCE_TORCHRUN=1 NPROC_PER_NODE={p['world_size']} llamafactory-cli train {shlex.quote(wd + '/train.yaml')}"]
+    return "\n".join(lines) + "\n", written
 
 
 def _yaml_value(value):

@@ -2,7 +2,7 @@
 file parses the arguments, calls it and prints the outcome. The command returns its exit status."""
 import sys
 
-from dslab import checkpoints, config_check, data, dist, equivalents, launch, lora, models, sft
+from dslab import checkpoints, config_check, data, dist, equivalents, launch, lora, models, sft, sft_plan
 
 
 def add_commands(subparsers):
@@ -41,7 +41,8 @@ def add_commands(subparsers):
     p.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
     p.add_argument("--print-equivalent", choices=equivalents.TARGETS, default=None,
                    help="print this run for the Hugging Face Trainer (hf), ms-swift (swift) or LLaMA-Factory "
-                        "(llamafactory) and exit: nothing is trained, loaded or launched")
+                        "(llamafactory), write the files its command reads into OUTPUT-<tool>/, and exit: nothing "
+                        "is trained, loaded or launched")
     p.set_defaults(func=run_sft)
 
 
@@ -81,11 +82,15 @@ def expected_steps(args):
 
 
 def print_equivalent(args):
-    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool, printed (dslab.equivalents)."""
+    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool (dslab.equivalents),
+    printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.sft_plan)."""
     dist.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
     try:
-        print(equivalents.render(args.print_equivalent, equivalents.describe(args)), end="")
-    except (sft.SFTError, data.DataError, config_check.ConfigError, OSError) as exc:
+        plan = sft_plan.describe(args)
+        text, written = equivalents.render(args.print_equivalent, plan)
+        sft_plan.write(sft_plan.work_dir(plan, args.print_equivalent), written)  # what the printed lines read
+        print(text, end="")
+    except (sft.SFTError, data.DataError, config_check.ConfigError, sft_plan.EquivalentError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
