@@ -23,11 +23,14 @@ os.environ["DSLAB_LANG"] = "en"
 # deepspeed`, a process group.
 MULTIRANK = (
     "tests/test_accumulation.py::test_accumulation_recipe_on_two_ranks",
-    "tests/test_exercises.py::test_solution_is_accepted[01.average_gradients]",  # live ranks, kept for the
-    "tests/test_exercises.py::test_wrong_answers_are_rejected[01.average_gradients]",  # next two: all three go
-    "tests/test_exercises.py::test_placeholder_and_garbage_are_not_correct[01.average_gradients]",  # together
-    "tests/test_exercises.py::test_solution_is_accepted[12.uneven_fix]",  # runs the script on 2 ranks
-    "tests/test_exercises.py::test_wrong_answers_are_rejected[12.uneven_fix]",  # a hang (10 s watch), a wrong mean
+    # Checkers that launch ranks (dslab.exercises.on_ranks): each exercise's solution, wrong and hard-coded answers
+    # run in one launch per world size (2 and 3), shared by these tests whichever runs first.
+    *(f"tests/test_exercises.py::{test}[{exercise_id}]"
+      for exercise_id in ("01.average_gradients", "03.engine_loop", "04.offload_loop", "07.init_inference",
+                          "11.pipeline", "11.tensor_data", "11.ulysses", "12.uneven_fix")
+      for test in ("test_solution_is_accepted", "test_wrong_answers_are_refused_naming_their_mistake",
+                   "test_a_hard_coded_answer_fails")),
+    "tests/test_exercises.py::test_a_learners_exception_on_a_rank_is_shown_as_their_traceback",
     "tests/test_comm_bytes.py::test_each_rank_sends_what_deepspeeds_algorithm_predicts",  # these two share one
     "tests/test_comm_bytes.py::test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas",  # 3-rank launch
     "tests/test_comm_bytes.py::test_ddp_no_sync_halves_the_bytes_of_two_micro_steps",
@@ -83,9 +86,12 @@ SLOW = (
     "tests/test_env.py::test_prepare_is_fast_when_cached",
     "tests/test_exercises.py::test_solution_is_accepted[04.zero3_offload]",
     "tests/test_exercises.py::test_solution_is_accepted[13.bf16_states]",  # trains a step on a launched rank
-    "tests/test_exercises.py::test_wrong_answers_are_rejected[07.init_inference]",
-    "tests/test_exercises.py::test_solution_is_accepted[09.ds_config]",  # TrainingArguments + deepspeed
-    "tests/test_exercises.py::test_wrong_answers_are_rejected[09.ds_config]",
+    "tests/test_exercises.py::test_wrong_answers_are_refused_naming_their_mistake[02.amp_clip]",  # fp16 on a CPU
+    "tests/test_exercises.py::test_wrong_answers_are_refused_naming_their_mistake[03.token_loss]",
+    "tests/test_exercises.py::test_wrong_answers_are_refused_naming_their_mistake[03.fix_loop]",
+    "tests/test_exercises.py::test_solution_is_accepted[09.ds_config]",  # TrainingArguments + deepspeed, twice
+    "tests/test_exercises.py::test_wrong_answers_are_refused_naming_their_mistake[09.ds_config]",
+    "tests/test_exercises.py::test_a_hard_coded_answer_fails[09.ds_config]",
     "tests/test_hf_bridge.py::test_auto_sources_name_what_the_trainer_fills",  # the same imports
     "tests/test_infer.py::test_cli_json_output",
     "tests/test_infer.py::test_cli_text_file_and_explicit_model_dir",
@@ -145,9 +151,9 @@ def accumulation_on_two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def live_two_ranks():
-    """2 live ranks (dslab.live) shared by the tests that only use them: test_widgets.py's explorer and the
-    01.average_gradients checker in test_exercises.py (which reuses running ranks). live.start is idempotent in a
-    process, so a test that stops ranks itself (test_live.py) must start its own and not take this fixture."""
+    """2 live ranks (dslab.live) shared by the tests that only use them: test_widgets.py's explorer. live.start is
+    idempotent in a process, so a test that stops ranks itself (test_live.py) must start its own and not take this
+    fixture."""
     from dslab import live
 
     ranks = live.start(world_size=2)

@@ -1,31 +1,54 @@
-"""Exercise checkers: `check("01.ring_bytes", answer)` prints Correct! or a hint and returns True/False.
+"""Exercise checkers: `check("01.ring_bytes", answer)` prints Correct! or what is wrong, and returns True/False.
 
 Every exercise has an id "NN.name" (NN = chapter) and lives in its chapter's module, dslab/exercises/chNN.py,
 registered there with `@exercise(...)` (any rule; a checker that runs the learner's code raises `Mistake` naming
-what is wrong) or `expect(...)` (the answer must equal a value). Each exercise also lists a few `wrong` answers
-that a learner might give; tests/test_exercises.py makes sure they are rejected and that the instructor
-solutions in notebooks/solutions/NN_solutions.py are accepted.
+what is wrong) or `expect(...)` (the answer must equal a value). Each exercise lists the `wrong` answers learners
+give, as pairs (answer, words the message must contain): for `expect`, those words are the message a learner who
+gives that answer reads ("Not quite: " + words); for `exercise`, a fragment of the Mistake its checker raises.
+tests/test_exercises.py checks that every wrong answer gets its message and that the instructor solutions in
+notebooks/solutions/NN_solutions.py are accepted.
+
+What the learner reads: "Correct!"; "Not quite: <the mistake>" (a Mistake, or a registered wrong value);
+"Not quite: <hint>" for any other wrong answer; and when their own code raises, their code's traceback, trimmed to
+the lines they wrote, with what that error means (dslab/exercises/feedback.py): an error, not a wrong answer.
+Checkers that run the learner's code on rank processes use dslab/exercises/on_ranks.py.
 """
 import importlib
 import math
 import re
 from dataclasses import dataclass, field
 
+from dslab.exercises import feedback
+
 _REGISTRY = {}
 
 
 @dataclass
 class Exercise:
-    """One exercise: its checker, the hint shown on a wrong answer, and known wrong answers (for tests)."""
+    """One exercise: its checker, the hint shown on a wrong answer, known wrong answers and their messages."""
 
     id: str
-    checker: object          # callable(answer) -> bool
+    checker: object          # callable(answer) -> bool, or raises Mistake naming what is wrong
     hint: str
-    wrong: tuple = field(default_factory=tuple)
+    wrong: tuple = field(default_factory=tuple)   # ((answer, words its message contains), ...)
+    prepare: object = None   # callable(answers): run many answers at once, so their checks share rank processes
 
 
 class Mistake(Exception):
     """Raised by a checker that ran the learner's code: the answer is wrong, and the message names the mistake."""
+
+
+class CodeError(Exception):
+    """The learner's code raised on a rank; the message is the report to show (their traceback, trimmed)."""
+
+
+def _wrong_pairs(exercise_id, wrong):
+    pairs = tuple(wrong)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], str) and pair[1].strip()):
+            raise ValueError(f"{exercise_id}: each wrong answer is a pair (answer, words its message contains), "
+                             f"got {pair!r}")
+    return pairs
 
 
 def require_valid_config(cfg, world_size, device="cpu", note=""):
@@ -40,13 +63,17 @@ def require_valid_config(cfg, world_size, device="cpu", note=""):
         raise Mistake(f"dslab.config_check.check_config finds{note}:\n  " + "\n  ".join(str(p) for p in problems[:3]))
 
 
-def exercise(exercise_id, hint, wrong=()):
-    """Decorator: register `fn(answer) -> bool` as the checker of `exercise_id`."""
+def exercise(exercise_id, hint, wrong=(), prepare=None):
+    """Decorator: register `fn(answer) -> bool` as the checker of `exercise_id`.
+
+    wrong: ((answer, words), ...): answers learners give and words of the Mistake the checker names each with.
+    prepare: for checkers that start ranks, a callable(answers) that runs them all in one go (tests use it)."""
     if not re.fullmatch(r"\d\d\.\w+", exercise_id):
         raise ValueError(f"exercise id {exercise_id!r} should look like '01.ring_bytes' (chapter.name)")
+    pairs = _wrong_pairs(exercise_id, wrong)
 
     def register(fn):
-        _REGISTRY[exercise_id] = Exercise(exercise_id, fn, hint, tuple(wrong))
+        _REGISTRY[exercise_id] = Exercise(exercise_id, fn, hint, pairs, prepare)
         return fn
 
     return register
@@ -68,9 +95,28 @@ def same(answer, expected, rel=1e-3, ordered=True):
     return math.isclose(answer, expected, rel_tol=rel, abs_tol=1e-9)
 
 
+def name_known_mistake(answer, pairs, rel=1e-3, ordered=True):
+    """Raise Mistake(words) if `answer` equals the value of one of the (value, words) pairs (see `same`)."""
+    for value, mistake in pairs:
+        if same(answer, value, rel, ordered):
+            raise Mistake(mistake)
+
+
 def expect(exercise_id, expected, hint, wrong=(), rel=1e-3, ordered=True):
-    """Register an exercise whose answer must equal `expected` (see `same` for what "equal" means)."""
-    exercise(exercise_id, hint, wrong)(lambda answer: same(answer, expected, rel, ordered))
+    """Register an exercise whose answer must equal `expected` (see `same` for what "equal" means).
+
+    wrong: ((value, mistake), ...): a learner who answers `value` reads "Not quite: " + mistake, the mistake that
+    gives that value (forgot the 1/N, bytes instead of GB, per rank instead of in total, ...); other wrong answers
+    read the hint."""
+    pairs = _wrong_pairs(exercise_id, wrong)
+
+    def checker(answer):
+        if same(answer, expected, rel, ordered):
+            return True
+        name_known_mistake(answer, pairs, rel, ordered)
+        return False
+
+    exercise(exercise_id, hint, pairs)(checker)
 
 
 CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11", "ch12", "ch13")
@@ -105,10 +151,18 @@ def check(exercise_id, answer):
         return False
     try:
         ok = bool(ex.checker(answer))
-    except Mistake as mistake:  # a code exercise: the checker says what is wrong and why
+    except Mistake as mistake:  # the checker names what is wrong and why
         print(f"Not quite: {mistake}")
         return False
-    except Exception:  # a malformed answer is a wrong answer, not a crash
-        ok = False
+    except CodeError as error:  # the learner's code raised on a rank: its report was written there
+        print(error)
+        return False
+    except Exception as exc:
+        report = feedback.describe(exc)
+        if report is None:      # nothing of the learner's in the traceback: a malformed answer, a wrong answer
+            ok = False
+        else:                   # the learner's own code raised: show where, and what it means
+            print(report)
+            return False
     print("Correct!" if ok else f"Not quite: {ex.hint}")
     return ok

@@ -1,50 +1,75 @@
-"""Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call.
+"""Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call checked on 2 ranks.
 
 Solutions: notebooks/solutions/07_solutions.py."""
 from dslab.exercises import Mistake, exercise, expect
 
 def _wrong_init_inference(**kwargs):
-    def make_engine(model):
-        import deepspeed
+    """A make_engine that calls init_inference with these arguments (one of the known wrong answers)."""
+    import functools
 
-        return deepspeed.init_inference(model, **kwargs)
-    return make_engine
+    return functools.partial(init_inference_with, **kwargs)
 
 
-def _wrong_kwargs():
+def init_inference_with(model, **kwargs):
+    """deepspeed.init_inference(model, **kwargs), dtype given by name ("float32", ...) so that it can travel."""
+    import deepspeed
     import torch
 
-    return ({}, {"dtype": torch.bfloat16}, {"dtype": torch.float32, "tensor_parallel": {"tp_size": 2}},
-            {"dtype": torch.float32, "replace_with_kernel_inject": True})
+    if "dtype" in kwargs:
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    return deepspeed.init_inference(model, **kwargs)
 
 
-WRONG_INIT_INFERENCE = tuple(_wrong_init_inference(**kw) for kw in _wrong_kwargs()) + (lambda model: model,)
+def _whole_model(model):
+    return model
 
 
-def check_init_inference(make_engine):
-    """Run the learner's `make_engine(model)` in this process (a world of 1) on dslab-tiny and compare its greedy
-    answer and logits with plain Hugging Face generation in float32; name what is wrong."""
+WRONG_INIT_INFERENCE = (
+    (_wrong_init_inference(), "torch.float16"),                                 # dtype defaults to fp16
+    (_wrong_init_inference(dtype="bfloat16", tensor_parallel={"tp_size": 2}), "torch.bfloat16"),
+    (_wrong_init_inference(dtype="float32"), "each of the 2 ranks holds the whole model"),       # tp_size 1
+    (_wrong_init_inference(dtype="float32", tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True),
+     "replace_with_kernel_inject=True"),
+    (_whole_model, "return the InferenceEngine"),
+)
+TRIAL = "dslab.exercises.ch07:init_inference_trial"
+QUESTIONS = ("Who are you?", "What is the capital of France?", "你是谁？", "Tell me something about the sea.",
+             "What can you do?", "今天天气怎么样？")
+
+
+def draw_case(world_size, rng=None):
+    """A question and an answer length, chosen now."""
+    import random
+
+    rng = rng or random.SystemRandom()
+    return {"question": rng.choice(QUESTIONS), "new_tokens": rng.randint(8, 16)}
+
+
+def init_inference_trial(make_engine, case):
+    """On each rank: the learner's `make_engine(model)` on dslab-tiny, its greedy answer and logits against plain
+    Hugging Face generation in float32, and whether AutoTP split the layers over the ranks."""
     import copy
 
     import torch
+    import torch.distributed as torch_dist
     from deepspeed.inference.engine import InferenceEngine
 
-    from dslab import infer, models, train
-    train.init_single_process(quiet=True)
+    from dslab import infer, models
+
+    world_size = torch_dist.get_world_size()
     tokenizer, model = models.load_tokenizer(), models.load_model().eval()
-    ids = tokenizer(infer.prompt_text(tokenizer, "Who are you?", chat=True), return_tensors="pt")
+    ids = tokenizer(infer.prompt_text(tokenizer, case["question"], chat=True), return_tensors="pt")
+    settings = dict(max_new_tokens=case["new_tokens"], do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
-        expected = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected = model.generate(**ids, **settings)
         expected_logits = model(**ids).logits
+    whole = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
     try:
         engine = make_engine(copy.deepcopy(model))
     except ValueError as err:
-        if "float16" in str(err):
+        if "float16" in str(err) or "fp16" in str(err):
             raise Mistake(f"DeepSpeed says: {err}. init_inference's dtype defaults to torch.float16, which the CPU "
                           "accelerator refuses: pass dtype=torch.float32") from None
-        if "world size" in str(err):
-            raise Mistake(f"DeepSpeed says: {err}. tensor_parallel={{'tp_size': 2}} needs 2 ranks and this is one "
-                          "process: tp_size 1 here (tp=2 runs on 2 ranks through the launcher)") from None
         raise
     if not isinstance(engine, InferenceEngine):
         raise Mistake(f"that returned a {type(engine).__name__}: return the InferenceEngine that "
@@ -54,25 +79,61 @@ def check_init_inference(make_engine):
                       "Qwen2 and no GPU here, so DeepSpeed leaves the model's layers as they were. Use "
                       "replace_with_kernel_inject=False (AutoTP: the model's own layers)")
     dtype = next(engine.module.parameters()).dtype
+    held = tuple(engine.module.model.layers[0].self_attn.q_proj.weight.shape)
     with torch.no_grad():
         logits = engine(**ids).logits
-        output = engine.module.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        output = engine.module.generate(**ids, **settings)
     diff = (logits.float() - expected_logits).abs().max().item()
     if dtype != torch.float32:
         raise Mistake(f"the engine converted the weights to {dtype}: its logits differ from float32 Hugging Face by "
                       f"{diff:.2g}. Pass dtype=torch.float32 to compare with plain generation")
-    if not torch.equal(output, expected) or diff > 1e-5:
+    if held == whole:
+        raise Mistake(f"each of the {world_size} ranks holds the whole model (q_proj {list(held)} on every rank): "
+                      f"tensor_parallel's tp_size is 1. Split the layers over the job's ranks: "
+                      "tensor_parallel={\"tp_size\": world size} (torch.distributed.get_world_size())")
+    if not torch.equal(output, expected) or diff > 1e-4:
         raise Mistake(f"the engine's greedy answer or logits differ from Hugging Face's (max |logit diff| {diff:.2g})")
-    return True
+    return {"held": list(held), "whole": list(whole), "diff": diff}
+
+
+def _nothing_more(case, results):
+    """The trial itself names every mistake; a rank that returned has passed."""
+
+
+def check_init_inference(make_engine):
+    """Run the learner's `make_engine(model)` on 2 launched ranks (a question drawn now) and compare the engine's greedy
+    answer and logits with plain Hugging Face generation in float32; name what is wrong."""
+    from dslab.exercises import on_ranks
+
+    if not callable(make_engine):
+        raise Mistake("answer with the function itself: answer = make_engine")
+    return on_ranks.check(TRIAL, make_engine, draw_case, _nothing_more, world_sizes=(2,))
+
+
+def _prepare_init_inference(answers):
+    from dslab.exercises import on_ranks
+
+    on_ranks.prepare(TRIAL, [a for a in answers if callable(a)], draw_case, world_sizes=(2,))
 
 
 # dslab-tiny: 4 blocks, each with one all-reduce after o_proj and one after down_proj (AutoTP).
-expect("07.allreduces_per_token", 8, wrong=(4, 2, 16, 7),
+expect("07.allreduces_per_token", 8,
+       wrong=((4, "4 is one all-reduce per block: each block has two, after o_proj (attention) and after down_proj "
+                  "(MLP)"),
+              (2, "2 is one block's all-reduces: dslab-tiny has 4 blocks"),
+              (16, "16 counts 4 per block: the column-split layers (q, k, v, gate, up) need no all-reduce; only the "
+                   "row-split o_proj and down_proj end with one"),
+              (9, "9 counts the output head too: the question leaves it out")),
        hint="AutoTP puts an all-reduce after each row-split layer: o_proj and down_proj in every block. "
             "Count the blocks (model.config.num_hidden_layers).")
 # v_proj of dslab-tiny is 256 -> 128 (2 KV heads x 64); split by output features over tp=2.
-expect("07.v_proj_shard", [64, 256], wrong=([128, 128], [128, 256], [64, 128], [256, 64]),
+expect("07.v_proj_shard", [64, 256],
+       wrong=(([128, 128], "[128, 128] splits v_proj by its input features: AutoTP splits it by output features (its "
+                           "rows), as it does q_proj and k_proj"),
+              ([128, 256], "[128, 256] is the whole v_proj: tp=2 leaves each rank half of its output features"),
+              ([64, 128], "[64, 128] halves both dimensions: only the output features are split"),
+              ([256, 64], "[256, 64] is [in, out]: a torch Linear's weight is [out_features, in_features]")),
        hint="a torch Linear's weight is [out_features, in_features]; AutoTP splits v_proj by output features, "
             "so each of the 2 ranks keeps half of the rows.")
 exercise("07.init_inference", hint="make_engine(model) must return deepspeed.init_inference(model, ...)",
-         wrong=WRONG_INIT_INFERENCE)(check_init_inference)
+         wrong=WRONG_INIT_INFERENCE, prepare=_prepare_init_inference)(check_init_inference)

@@ -13,7 +13,14 @@ _N = 16
 _DEFAULT = RING_FACTORS["all_reduce"](_N) + RING_FACTORS["all_gather"](_N)
 _OWNERS = RING_FACTORS["reduce_scatter"](_N) + RING_FACTORS["all_gather"](_N)
 expect("10.nccl_zero2", [_DEFAULT, _OWNERS],
-       wrong=([_OWNERS, _OWNERS], [1.5, 1.0], [_DEFAULT, _DEFAULT], [3.0, 2.0], [2.625, 1.75]),
+       wrong=(([_OWNERS, _OWNERS], "the default all-reduces the gradients, 2(N-1)/N of the buffer: only reducing "
+                                   "them to their owners costs a reduce-scatter's (N-1)/N"),
+              ([1.5, 1.0], "those are the factors for N = 2, chapter 10's measurement: here N = 16"),
+              ([_DEFAULT, _DEFAULT], "reducing the gradients to their owners costs a reduce-scatter, (N-1)/N, not "
+                                     "an all-reduce, 2(N-1)/N"),
+              ([3.0, 2.0], "those drop the (N-1)/N: each rank sends (N-1)/N of the buffer per collective half, 15/16 "
+                           "here"),
+              ([2.625, 1.75], "those are the factors for N = 8: here N = 16")),
        hint="per rank, a ring all-reduce sends 2(N-1)/N x the buffer, a reduce-scatter and an all-gather (N-1)/N each; "
             "the default all-reduces the gradients, reduce to owners costs a reduce-scatter; both all-gather the "
             "parameters. N = 16.")
@@ -60,7 +67,13 @@ _LEFT_OVER = {
 }
 
 
-@exercise("10.paper_zero2", wrong=WRONG_CONFIGS,
+# what the checker names in each of WRONG_CONFIGS, in order
+_WRONG_CONFIG_WORDS = ("the gradients are all-reduced", "1-byte overflow flag", "the gradients are all-reduced",
+                       'refuses "compute_grad_norm": false while clipping', 'leave "reduce_scatter" at true',
+                       "unknown key 'use_multi_rank_bucket_all_reduce'")
+
+
+@exercise("10.paper_zero2", wrong=tuple(zip(WRONG_CONFIGS, _WRONG_CONFIG_WORDS, strict=True)),
           hint="start from the chapter's ZeRO-2 ds_config; three keys remove the all-reduces (sections 4 and 5 "
                "name them)")
 def _check_paper_zero2(ds_config):

@@ -4,11 +4,24 @@ Solutions: notebooks/solutions/11_solutions.py."""
 from dslab.exercises import Mistake, exercise, expect
 
 # 4 stages, 12 micro-batches: (p - 1) / (m + p - 1) = 3 / 15 of every stage's time slots are idle.
-expect("11.bubble", 0.2, rel=1e-3, wrong=(0.25, 3 / 13, 1 / 12, 0.75),
+expect("11.bubble", 0.2, rel=1e-3,
+       wrong=((0.25, "0.25 is (p - 1) / m = 3 / 12: the step takes m + p - 1 = 15 slots, not 12, of which p - 1 idle"),
+              (3 / 13, "3 / 13 divides by m + 1: a step takes m + p - 1 = 15 slots per stage"),
+              (1 / 12, "1 / 12 counts one idle slot per step: each stage waits p - 1 = 3 slots (filling and "
+                       "draining the pipeline)"),
+              (0.75, "0.75 is (p - 1) / p, the bubble of a single micro-batch: here m = 12 micro-batches share "
+                     "the same p - 1 idle slots")),
        hint="a 1F1B (or GPipe) step takes m + p - 1 slots per stage, of which m compute: the idle share is "
             "(p - 1) / (m + p - 1). Check with dslab.pipeline.schedule_bubble(12, 4).")
 # 8 stages, idle share at most 10 %: 7 / (m + 7) <= 0.1 -> m >= 63.
-expect("11.min_micro_batches", 63, wrong=(70, 64, 56, 7, 72),
+expect("11.min_micro_batches", 63,
+       wrong=((70, "70 solves (p - 1) / m <= 0.1: the idle share is (p - 1) / (m + p - 1), and 63 already gives "
+                   "7 / 70 = 10 %"),
+              (64, "64 gives 7 / 71, under 10 %, but 63 gives 7 / 70 = 10 %, which is at most 10 %: the smallest m"),
+              (56, "56 leaves 7 / 63 = 11 % of the slots idle, above 10 %"),
+              (7, "7 is p - 1, the idle slots per step: m micro-batches fill m + 7 slots, and 7 / (m + 7) <= 0.1 "
+                  "needs m >= 63"),
+              (72, "72 keeps the idle share under 10 %, but it is not the smallest m: 63 gives exactly 10 %")),
        hint="solve (p - 1) / (m + p - 1) <= 0.1 for the smallest whole m with p = 8 stages.")
 
 
@@ -30,12 +43,12 @@ def _tp_config(**changes):
 
 
 _TP_DP_WRONG = (
-    _tp_config(train_batch_size=32),                                   # counted the replicas only
-    _tp_config(gradient_accumulation_steps=1, train_batch_size=32),    # 4 x 4 = 16 samples per step, not 32
-    _tp_config(tensor_parallel={"tp_size": 2}),                        # init_inference's key: unknown here
-    _tp_config(tensor_parallel={"autotp_size": 4}),                    # 2 replicas, not 4
-    _tp_config(zero_optimization={"stage": 3}),                        # ZeRO-1 was asked for
-    {k: v for k, v in _tp_config().items() if k != "tensor_parallel"},  # no tensor parallelism at all
+    (_tp_config(train_batch_size=32), "counts the 4 model replicas"),                    # counted the replicas only
+    (_tp_config(gradient_accumulation_steps=1, train_batch_size=32), "= 16 distinct samples"),   # 4 x 1 x 4 = 16
+    (_tp_config(tensor_parallel={"tp_size": 2}), "tp_size is init_inference's key"),    # unknown to training
+    (_tp_config(tensor_parallel={"autotp_size": 4}), "autotp_size is 4"),               # 2 replicas, not 4
+    (_tp_config(zero_optimization={"stage": 3}), "zero_optimization.stage is 3"),       # ZeRO-1 was asked for
+    ({k: v for k, v in _tp_config().items() if k != "tensor_parallel"}, "no tensor_parallel.autotp_size"),
 )
 
 

@@ -86,41 +86,86 @@ def _script_text(answer):
         if not path.is_file():
             raise Mistake(f"there is no file {path}: write it first (a %%writefile cell), or answer with its text")
         return path.read_text(encoding="utf-8")
-    if "all_reduce" not in answer:
-        raise Mistake("that is not the script: the fixed job still sums the samples with dist.all_reduce")
+    if "\n" not in answer.strip():
+        raise Mistake("that is not the script: answer with its path (\"runs/12/uneven_fixed.py\") or its whole text")
     return answer
 
 
-def check_uneven_fix(answer):
-    """Run the learner's fixed script on 2 ranks under a hang watch: it must finish, and rank 0 must print the
-    mean of all 5 samples."""
+SAMPLES_LINE = re.compile(r"^samples\s*=.*$", re.M)
+
+
+def _draw_samples(world_size, rng):
+    """Samples drawn now: a count the world size does not divide (so the shards are uneven), values in quarters."""
+    count = rng.choice([n for n in range(6, 11) if n % world_size])
+    return [rng.randrange(-16, 40) / 4 for _ in range(count)]
+
+
+def _with_samples(source, samples):
+    """The learner's script with its `samples = ...` line replaced by the checker's samples, each rank seeing only
+    the values of its own shard (every world_size-th from its rank); the others are nan, as a real job's data would
+    be on other machines."""
+    if len(SAMPLES_LINE.findall(source)) != 1:
+        raise Mistake("keep the script's one line `samples = torch.arange(1.0, 6.0)`: the checker replaces it with "
+                      "samples of its own to check that the mean comes through the all_reduce")
+    mine = ("samples = torch.tensor(" + repr(samples) + "); samples[[i for i in range(len(samples)) if i % "
+            "torch.distributed.get_world_size() != torch.distributed.get_rank()]] = float('nan')  # the checker's: "
+            "one line, so the script keeps its line numbers")
+    # and, at the end, leave the process group: a gloo group torn down with the process can abort it after the job
+    # printed its answer ("terminate called without an active exception"), which would fail a right fix
+    leave = ("\nif torch.distributed.is_initialized():  # added by the checker\n"
+             "    torch.distributed.destroy_process_group()\n")
+    return SAMPLES_LINE.sub(lambda _: mine, source).rstrip("\n") + "\n" + leave
+
+
+def _run_fixed(source, world_size):
+    """The log of the script run on `world_size` ranks under the hang watch; a Mistake if it hangs or fails."""
     from dslab import hangs, launch
 
-    source = _script_text(answer)
     with tempfile.TemporaryDirectory(prefix="dslab-12-") as tmp:
         script = Path(tmp) / "uneven_fixed.py"
         script.write_text(source, encoding="utf-8")
         try:
             with contextlib.redirect_stdout(io.StringIO()):   # the launch prints its command line: not the verdict
-                result = launch.run(str(script), world_size=2, run_dir=Path(tmp) / "runs", stream=False,
-                                    timeout=300, hang_timeout=HANG_TIMEOUT_S)
+                return launch.run(str(script), world_size=world_size, run_dir=Path(tmp) / "runs", stream=False,
+                                  timeout=300, hang_timeout=HANG_TIMEOUT_S).log
         except launch.LaunchError as err:
             report = str(err)
             where = hangs.blocked(report)
             if where:
                 said = "; ".join(f"rank {r} waits in {w['collective']} at line {w['line']}" for r, w in where.items())
-                raise Mistake(f"it still hangs ({said}): every rank must call all_reduce the same number of "
-                              "times, so the ranks must agree on the number of steps") from None
+                raise Mistake(f"it still hangs on {world_size} ranks ({said}): every rank must call all_reduce the "
+                              "same number of times, so the ranks must agree on the number of steps") from None
             last = [line for line in report.splitlines() if line.strip()][-1]
-            raise Mistake(f"the script failed: {last.strip()}") from None
-    found = re.search(r"mean ([-\d.]+) over (\d+) samples", result.log)
-    if not found:
-        raise Mistake("the job finished, but rank 0 printed no `mean M over N samples` line: keep the last print")
-    mean, count = float(found.group(1)), int(found.group(2))
-    if count != RIGHT_COUNT or abs(mean - RIGHT_MEAN) > 1e-4:
-        raise Mistake(f"the job finished, but with mean {mean:.4f} over {count} samples; the 5 samples' mean is "
-                      f"{RIGHT_MEAN:.4f}: a rank with no sample left still joins the step, adding 0 to the sum "
-                      "and 0 to the count")
+            raise Mistake(f"the script failed on {world_size} ranks: {last.strip()}") from None
+
+
+def check_uneven_fix(answer):
+    """Run the learner's fixed script on 2, then 3 ranks under a hang watch, with samples drawn now in place of its
+    own (each rank holding only its shard's values): it must finish, and rank 0 must print their mean and count."""
+    import random
+
+    source = _script_text(answer)
+    rng = random.SystemRandom()
+    for world_size in (2, 3):
+        samples = _draw_samples(world_size, rng)
+        log = _run_fixed(_with_samples(source, samples), world_size)
+        found = re.search(r"mean ([-\d.na]+) over (\d+) samples", log)
+        if not found:
+            raise Mistake("the job finished, but rank 0 printed no `mean M over N samples` line: keep the last print")
+        mean, count = float(found.group(1)), int(found.group(2))
+        right = sum(samples) / len(samples)
+        if mean != mean:   # nan: rank 0 read values only other ranks hold
+            raise Mistake("rank 0 printed mean nan: its mean used samples it does not hold. The checker gives each "
+                          "rank only its own shard's values (the others are nan, as data on other machines would "
+                          "be): the sum and the count must come through the all_reduce")
+        if count == len(samples) and abs(mean - right) <= 1e-3:
+            continue
+        said = (f"the job finished on {world_size} ranks, but with mean {mean:.4f} over {count} samples; the checker's "
+                f"{len(samples)} samples (in place of the script's 5) have mean {right:.4f}")
+        if (mean, count) == (RIGHT_MEAN, RIGHT_COUNT):
+            raise Mistake(f"{said}: 3.0000 over 5 is the chapter's answer, not one computed from the samples")
+        raise Mistake(f"{said}: a rank with no sample left still joins the step, adding 0 to the sum and 0 to the "
+                      "count")
     return True
 
 
@@ -130,14 +175,22 @@ _DROPS_THE_LAST_SAMPLE = UNEVEN_SCRIPT.replace(
     "for x in shard[:len(samples) // world_size]:  # the same number of steps on every rank")
 assert _DROPS_THE_LAST_SAMPLE != UNEVEN_SCRIPT
 
-exercise("12.read_report", wrong=({0: ("barrier", WHERE_EACH_RANK_WAITS[1][1]),
-                                   1: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])},
-                                  {0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1] - 2),
-                                   1: ("barrier", WHERE_EACH_RANK_WAITS[1][1])},
-                                  {0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])}),
+exercise("12.read_report", wrong=(({0: ("barrier", WHERE_EACH_RANK_WAITS[1][1]),
+                                    1: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])}, "ranks swapped?"),
+                                  ({0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1] - 2),
+                                    1: ("barrier", WHERE_EACH_RANK_WAITS[1][1])}, "but not at line"),
+                                  ({0: ("all_reduce", WHERE_EACH_RANK_WAITS[0][1])}, "name both ranks")),
          hint="run it: launch.run(\"runs/12/uneven.py\", world_size=2, hang_timeout=10); each `rank N ...: blocked "
               "in COLLECTIVE (...), called from uneven.py:LINE` line of the report gives rank N's answer"
          )(check_read_report)
-exercise("12.uneven_fix", wrong=(UNEVEN_SCRIPT, _DROPS_THE_LAST_SAMPLE),
+_PRINTS_THE_ANSWER = UNEVEN_SCRIPT[:UNEVEN_SCRIPT.index("total = torch.zeros(2)")] + \
+    'if rank == 0:\n    print("mean 3.0000 over 5 samples", flush=True)\n'
+_MEAN_WITHOUT_A_COLLECTIVE = _PRINTS_THE_ANSWER.replace(
+    'print("mean 3.0000 over 5 samples", flush=True)',
+    'print(f"mean {samples.mean().item():.4f} over {len(samples)} samples", flush=True)  # dist.all_reduce: unused')
+exercise("12.uneven_fix", wrong=((UNEVEN_SCRIPT, "it still hangs"),
+                                 (_DROPS_THE_LAST_SAMPLE, "a rank with no sample left still joins the step"),
+                                 (_PRINTS_THE_ANSWER, "the chapter's answer, not one computed from the samples"),
+                                 (_MEAN_WITHOUT_A_COLLECTIVE, "rank 0 printed mean nan")),
          hint="run the same number of steps on every rank (the longest shard's); a rank out of samples adds "
               "[0, 0] to the step's all_reduce")(check_uneven_fix)

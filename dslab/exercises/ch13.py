@@ -43,10 +43,11 @@ def _diagnose(got, terms, config, batch_size, seq_len):
 
 
 @exercise("13.forward_flops",
-          wrong=(lambda config, b, s: 2 * 5_525_760 * b * s,
-                 lambda config, b, s: _answer_without(config, b, s, "attention (QK^T, AV)"),
-                 lambda config, b, s: _answer_without(config, b, s, "SiLU"),
-                 lambda config, b, s: _answer_without(config, b, s, "output head")),
+          wrong=(((lambda config, b, s: 2 * 5_525_760 * b * s), "your function gives 5,658,378,240"),
+                 ((lambda config, b, s: _answer_without(config, b, s, "attention (QK^T, AV)")),
+                  "the attention term is missing"),
+                 ((lambda config, b, s: _answer_without(config, b, s, "SiLU")), "SiLU is missing"),
+                 ((lambda config, b, s: _answer_without(config, b, s, "output head")), "the output head is missing")),
           hint="write my_forward_flops(config, batch_size, seq_len): every linear layer 2 x tokens x in x out (q, k, v, "
                "o, gate, up, down per layer, and the output head), attention 4 x batch x heads x seq^2 x head_dim per "
                "layer, SiLU tokens x intermediate per layer.")
@@ -81,7 +82,16 @@ def _answer_without(config, batch_size, seq_len, term):
 # layer matrices hold 90 % of its parameters: fp32 master copy for all (4), a bf16 momentum on the matrices and, at
 # ZeRO 1-2, its staged copy kept between steps (0.9 x (2 + 2)), Adam's two fp32 moments on the rest (0.1 x 8).
 # 6.6 is the count without the staged copy.
-expect("13.muon_bytes", 8.4, rel=1e-3, wrong=(12, 6.6, 6.0, 2.6, 4.2),
+expect("13.muon_bytes", 8.4, rel=1e-3,
+       wrong=((12, "12 is Adam's count for every parameter (4 + 8): the layer matrices use Muon, which keeps one bf16 "
+                   "momentum, not two fp32 moments"),
+              (6.6, "6.6 leaves out the staged copy of Muon's momentum that ZeRO-1/2 keep between steps (2 more bytes "
+                    "on 90 % of the parameters)"),
+              (6.0, "6.0 gives every parameter a master copy and one bf16 momentum: the 10 % that are not layer "
+                    "matrices keep Adam's two fp32 moments (8 bytes), and ZeRO-1/2 keep a staged copy of Muon's "
+                    "momentum"),
+              (2.6, "2.6 leaves out the fp32 master copy every parameter keeps (4 bytes), and the staged momentum"),
+              (4.2, "4.2 is half the count: the master copy and Adam's moments are fp32, 4 bytes a value")),
        hint="every parameter keeps a master copy (4 bytes, fp32); on top, a Muon matrix keeps a momentum buffer in "
             "the gradients' dtype (bf16: 2 bytes), and ZeRO-1/2 keep a second, staged copy of it between steps "
             "(stage_1_and_2.py, _muon_staging_momentum); every other parameter keeps Adam's two fp32 moments "
@@ -113,7 +123,13 @@ def _flag(cfg, key):
     return bool(isinstance(bf16, dict) and bf16.get(key))
 
 
-@exercise("13.bf16_states", wrong=_BF16_STATES_WRONG,
+# what the checker names in each of _BF16_STATES_WRONG, in order
+_BF16_STATES_WORDS = ("need offload_optimizer", "bf16 optimizer states need bf16 master weights",
+                      "need ZeRO stage 1, 2 or 3", "unknown key 'bf16_master_weights'", "the optimizer is offloaded",
+                      "12 bytes per parameter, not 6")
+
+
+@exercise("13.bf16_states", wrong=tuple(zip(_BF16_STATES_WRONG, _BF16_STATES_WORDS, strict=True)),
           hint="write a dict: bf16 enabled with bf16_master_weights_and_grads and bf16_optimizer_states both true, "
                "zero_optimization stage 2 without offload, a micro-batch size and an optimizer.")
 def _check_bf16_states(cfg, world_size=2):

@@ -29,3 +29,38 @@ zero3_offload = {
     },
 }
 SOLUTIONS["04.zero3_offload"] = zero3_offload
+
+
+# 04.offload_loop: chapter 03's engine loop, unchanged, under a ZeRO-3 config that offloads both the optimizer (its
+# fp32 master weights and Adam's moments, updated by DeepSpeedCPUAdam, which DeepSpeed builds from the "optimizer"
+# section) and the parameter partitions to CPU memory.
+def make_model(d_in, d_out):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(d_in, 16), torch.nn.GELU(), torch.nn.Linear(16, d_out))
+
+
+def make_offload_config(micro_batch_size, grad_accum_steps, world_size, lr):
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    }
+
+
+def train(model, ds_config, micro_batches):
+    import deepspeed
+    import torch.nn.functional as F
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    for x, y in micro_batches:
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+SOLUTIONS["04.offload_loop"] = (make_model, make_offload_config, train)

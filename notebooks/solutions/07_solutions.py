@@ -12,13 +12,15 @@ v_proj_shard = [config.num_key_value_heads * head_dim // 2, config.hidden_size]
 
 
 
-# 07.init_inference: float32 (init_inference defaults to float16, refused on CPU), one rank, AutoTP (no kernel
-# injection): the engine's greedy answer equals plain Hugging Face generation.
+# 07.init_inference: called on every rank of the job (the checker runs 2): AutoTP over all of them (no kernel
+# injection), in float32 (init_inference defaults to float16, refused on CPU); the engine's greedy answer equals plain
+# Hugging Face generation.
 def make_engine(model):
     import deepspeed
     import torch
+    import torch.distributed as dist
 
-    return deepspeed.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": 1},
+    return deepspeed.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": dist.get_world_size()},
                                     replace_with_kernel_inject=False)
 
 

@@ -1,0 +1,158 @@
+"""Checkers that run a learner's code on real ranks: N processes started by the deepspeed launcher, one process group.
+
+Kernel side, `run(trial, answers, world_size, case)`: the answers (each a tuple of the learner's functions) travel as
+source (dslab.exercises.shipping), one launch of `dslab/recipes/exercise_trial.py` runs `trial(*answer, case=case)`
+on every rank for each answer in turn, and each rank's result comes back. What ran is remembered for the rest of the
+process, so a test that checks a solution and several wrong answers pays for one launch per world size
+(`prepare`), and checking the same code twice does not start ranks twice.
+
+Rank side, `serve(spec_file)`: what the recipe calls. An exception in the learner's code becomes the learner's
+trimmed traceback (dslab.exercises.feedback), said from the rank it happened on; a `Mistake` raised by the trial, its
+message.
+"""
+import contextlib
+import importlib
+import io
+import json
+import tempfile
+import traceback
+from pathlib import Path
+
+from dslab.exercises import CodeError, Mistake, feedback, shipping
+
+HANG_TIMEOUT_S = 45     # no rank printing or computing for this long: a collective that not every rank joined
+TIMEOUT_S = 900         # a whole launch, every answer in it (ZeRO-3 with offload on 3 ranks of 2 cores included)
+_DONE = {}              # (trial, world_size, packed answer) -> (case, [result of each rank]): what ran already
+
+
+def _key(trial, world_size, packed):
+    return trial, world_size, json.dumps(packed, sort_keys=True)
+
+
+def pack(answer):
+    """The answer (a function or a tuple of them) packed for the ranks; a Mistake if it cannot travel."""
+    functions = tuple(answer) if isinstance(answer, (tuple, list)) else (answer,)
+    try:
+        return shipping.pack(functions)
+    except shipping.Unshippable as err:
+        raise Mistake(f"your code cannot be sent to the ranks: {err}") from None
+
+
+def cached_case(trial, answer, world_size):
+    """The case this exact answer already ran with on world_size ranks (then `run` reuses that run), or None."""
+    done = _DONE.get(_key(trial, world_size, pack(answer)))
+    return done[0] if done else None
+
+
+def run(trial, answers, world_size, case):
+    """[(case, [result of rank 0, 1, ...]) for each answer]: `trial` ("module:function") run on `world_size` launched
+    ranks with each answer, in one launch for all the answers that have not run before (those run with `case`)."""
+    keys = [_key(trial, world_size, pack(answer)) for answer in answers]
+    todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
+    if todo:
+        per_rank = _launch(trial, [json.loads(k[2]) for k in todo], world_size, case)
+        for i, key in enumerate(todo):
+            _DONE[key] = (case, [answers_of_rank[i] for answers_of_rank in per_rank])
+    return [_DONE[k] for k in keys]
+
+
+def _launch(trial, packed_answers, world_size, case):
+    from dslab import hangs, launch
+
+    with tempfile.TemporaryDirectory(prefix="dslab-check-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"trial": trial, "case": case, "answers": packed_answers}), encoding="utf-8")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):   # the launch prints its command line: not the verdict
+                result = launch.run("exercise_trial", world_size=world_size, run_dir=Path(tmp) / "runs", stream=False,
+                                    timeout=TIMEOUT_S, hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
+        except launch.LaunchError as err:
+            report = str(err)
+            where = hangs.blocked(report)
+            if where:
+                said = "; ".join(f"rank {r} waits in {w['collective']}" for r, w in sorted(where.items()))
+                raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
+                              "ranks were stopped: a collective that not every rank calls waits forever. Call every "
+                              "collective, and everything that calls one (deepspeed.initialize, engine.step), on "
+                              "every rank.") from None
+            last = [line.strip() for line in report.splitlines() if line.strip()][-3:]
+            raise Mistake(f"the ranks running your code failed on {world_size} ranks: " + " / ".join(last)) from None
+    return [rank_result["answers"] for rank_result in result.results]
+
+
+def verdicts(results):
+    """Raise what the ranks reported for one answer: the learner's traceback (CodeError), a Mistake, or a failure of
+    the check itself; return the results when every rank ran the trial through."""
+    for rank, result in enumerate(results):
+        if "error" in result:
+            raise CodeError(result["error"])
+        if "mistake" in result:
+            raise Mistake(result["mistake"])
+        if "failure" in result:
+            raise RuntimeError(f"the check failed on rank {rank}:\n{result['failure']}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- on each rank
+
+def _run_one(trial, packed, case, where):
+    try:
+        answers, files = shipping.unpack(packed)
+    except Exception as exc:   # the learner's cell itself raised while being rebuilt here
+        return {"error": feedback.describe(exc, where=where) or "".join(traceback.format_exception(exc))[-3000:]}
+    try:
+        return trial(*answers, case=case)
+    except Mistake as mistake:
+        return {"mistake": str(mistake)}
+    except Exception as exc:
+        report = feedback.describe(exc, learner_files=files, where=where)
+        return {"error": report} if report else {"failure": "".join(traceback.format_exception(exc))[-4000:]}
+
+
+def serve(spec_file):
+    """On every rank: join the process group, run the trial on each answer of the spec; {"answers": [result, ...]}."""
+    import torch.distributed as torch_dist
+
+    from dslab import dist
+
+    spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
+    rank, world_size = dist.init()
+    module, _, name = spec["trial"].partition(":")
+    trial = getattr(importlib.import_module(module), name)
+    results = []
+    for packed in spec["answers"]:
+        results.append(_run_one(trial, packed, spec["case"], f" on rank {rank} of {world_size}"))
+        torch_dist.barrier()   # every rank is done with this answer before the next one starts
+    return {"answers": results}
+
+
+# ---------------------------------------------------------------------------------------------- for checkers
+
+WORLD_SIZES = (2, 3)    # a value that holds on 2 ranks only (a hard-coded "/ 2") fails on 3
+
+
+def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES):
+    """Run every answer that can travel, one launch per world size, so that checking each of them afterwards
+    starts no rank (tests check a solution and its wrong answers this way)."""
+    fit = []
+    for answer in answers:
+        try:
+            pack(answer)
+        except Mistake:
+            continue
+        fit.append(answer)
+    for world_size in world_sizes:
+        run(trial, fit, world_size, draw_case(world_size))
+
+
+def check(trial, answer, draw_case, diagnose, world_sizes=WORLD_SIZES, before=None):
+    """The usual checker: for each world size, a case drawn now (sizes, seeds) unless this answer already ran,
+    `before(answer, case)` in this process (checks that need no ranks), the trial on the ranks, then
+    `diagnose(case, results)`, which raises a Mistake naming what is wrong. True when every world size passes."""
+    for world_size in world_sizes:
+        case = cached_case(trial, answer, world_size) or draw_case(world_size)
+        if before is not None:
+            before(answer, case)
+        [(case, results)] = run(trial, [answer], world_size, case)
+        diagnose(case, verdicts(results))
+    return True
