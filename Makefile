@@ -48,10 +48,11 @@ test: setup
 
 # The quick loop while editing: no multi-rank or otherwise slow test (markers set in conftest.py).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser
+	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
+# tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
 test-unit: setup
-	$(BIN)/python -m pytest -q tests --ignore=tests/browser
+	$(BIN)/python -m pytest -q tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup
@@ -98,6 +99,16 @@ test-widget-if-chromium: setup
 SWIFT_VENV := .venv-swift
 LF_VENV    := .venv-llamafactory
 
+# DeepSpeed JIT-builds its ops into ~/.cache/torch_extensions, keyed by op name: builds from two venvs' copies of
+# DeepSpeed would replace each other there on every switch (a minute of compiling each time). So each tool venv
+# gets its own folder, set for every Python process of the venv by a sitecustomize.py (activated or not, torchrun's
+# children too), and its shared-memory all-reduce is built now, so that no training waits for the compiler.
+define build-shm-op
+	echo 'import os, sys; os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))' \
+	    > "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"
+	PATH=$(abspath $(1))/bin:$$PATH $(1)/bin/python -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b is None or not b.is_compatible(False) or b.load()"
+endef
+
 swift: $(SWIFT_VENV)/.installed
 llamafactory: $(LF_VENV)/.installed
 tool-venvs: swift llamafactory
@@ -107,6 +118,7 @@ $(SWIFT_VENV)/.installed: tools/venvs/ms-swift.txt
 	$(SWIFT_VENV)/bin/pip install --quiet --upgrade pip
 	$(SWIFT_VENV)/bin/pip install --quiet torch==2.13.0
 	$(SWIFT_VENV)/bin/pip install --quiet --no-deps -r tools/venvs/ms-swift.txt
+	$(call build-shm-op,$(SWIFT_VENV))
 	touch $@
 
 $(LF_VENV)/.installed: tools/venvs/llamafactory.txt
@@ -120,6 +132,7 @@ ifeq ($(HAS_GPU),)
 	# _load_lib returns False when no library file is there), which is all text SFT needs.
 	rm -f $(LF_VENV)/lib/python*/site-packages/torchaudio/lib/*.so
 endif
+	$(call build-shm-op,$(LF_VENV))
 	touch $@
 
 # Chapter 14 and the --print-equivalent runs, with both tools' venvs built (about 3 minutes to build, then ~12 to run).

@@ -35,6 +35,8 @@ CHAPTERS = (
     Chapter(12, "12_debugging_hangs", "jobs that hang: process-group timeout, DETAIL, every rank's stack", 2),
     Chapter(13, "13_where_time_goes", "the flops profiler, MFU, Muon and bf16 master weights", 2,
             needs=("bf16 training",)),
+    Chapter(14, "14_swift_and_llamafactory", "ms-swift and LLaMA-Factory: LoRA SFT, merge, 2 nodes, in venvs of their own",
+            2, needs=("bf16 training",)),
 )
 
 

@@ -119,7 +119,8 @@ def expect(exercise_id, expected, hint, wrong=(), rel=1e-3, ordered=True):
     exercise(exercise_id, hint, pairs)(checker)
 
 
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11", "ch12", "ch13")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11", "ch12", "ch13",
+            "ch14")
 
 
 def discover():
