@@ -73,7 +73,13 @@ def check_config(answer, case):
     _, make_config, _ = functions(answer)
     micro, accum, world_size, lr = (case["micro_batch_size"], case["grad_accum_steps"], case["world_size"],
                                     case["lr"])
-    cfg = make_config(micro, accum, world_size, lr)
+    try:
+        cfg = make_config(micro, accum, world_size, lr)
+    except (RuntimeError, ValueError) as err:
+        if "process group" not in str(err):
+            raise
+        raise Mistake("make_config asked torch.distributed for the world size, but the checker also calls it here, "
+                      "where no process group exists: use its world_size argument") from None
     if not isinstance(cfg, dict):
         raise Mistake(f"make_config returned a {type(cfg).__name__}: return the ds_config, a dict")
     said = f"make_config({micro}, {accum}, {world_size}, {lr})"
@@ -228,7 +234,8 @@ def trial(make_model, make_config, train, case):
         raise Mistake(f"make_model returned a {type(model).__name__}: return a torch.nn.Module")
     start = copy.deepcopy(model)
     before = _flat(start.parameters())
-    with EngineSpy(model, micro_batches) as spy:
+    with EngineSpy(model, micro_batches, namespaces=[f.__globals__ for f in (make_model, make_config, train)
+                                                    if hasattr(f, "__globals__")]) as spy:
         try:
             train(model, cfg, micro_batches)
         except Exception as exc:

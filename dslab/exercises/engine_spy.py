@@ -12,8 +12,11 @@ class EngineSpy:
     """Records what the learner's loop does with DeepSpeed: initialize calls, the loss given to engine.backward,
     engine.step calls and boundaries, optimizer steps and zero_grad calls made outside the engine."""
 
-    def __init__(self, model, micro_batches):
+    def __init__(self, model, micro_batches, namespaces=()):
         self.model, self.micro_batches = model, micro_batches
+        # the learner's globals: a `from deepspeed import initialize` there holds the function itself, not the module
+        self.namespaces = list({id(ns): ns for ns in namespaces}.values())
+        self._swapped = []
         self.initialized = self.forwards = self.backwards = self.steps = self.boundaries = 0
         self.outside_steps = self.fighting_zero_grads = 0
         self.ratios, self.engine, self.expected, self.pending, self.inside = [], None, None, 0, 0
@@ -26,6 +29,11 @@ class EngineSpy:
 
         self._initialize = deepspeed.initialize
         deepspeed.initialize = self._spy_initialize
+        for namespace in self.namespaces:
+            for name, value in list(namespace.items()):
+                if value is self._initialize:
+                    namespace[name] = self._spy_initialize
+                    self._swapped.append((namespace, name))
         self._step_hook = torch_optimizer.register_optimizer_step_pre_hook(self._optimizer_step)
         self._forward_hook = self.model.register_forward_hook(self._forward)
         self._zero_grad = torch.optim.Optimizer.zero_grad
@@ -44,6 +52,8 @@ class EngineSpy:
         import torch
 
         deepspeed.initialize = self._initialize
+        for namespace, name in self._swapped:
+            namespace[name] = self._initialize
         torch.optim.Optimizer.zero_grad = self._zero_grad
         self._step_hook.remove()
         self._forward_hook.remove()
