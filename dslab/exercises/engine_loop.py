@@ -300,15 +300,21 @@ def diagnose(case, results):
     if any(r["spy"]["fighting_zero_grads"] for r in results):
         raise Mistake(FIGHTING_ZERO_GRAD)
     ratios = [x for r in results for x in r["spy"]["ratios"]]
-    if _near(ratios, 1 / accum):
-        raise Mistake(f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {accum}, and "
-                      "engine.backward divides by gradient_accumulation_steps itself. Pass the mean loss as it is")
+    divisor = round(1 / ratios[0]) if ratios and 0 < ratios[0] < 1 else None
+    if divisor and divisor > 1 and _near(ratios, 1 / divisor):
+        raise Mistake(f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {divisor}, and "
+                      f"engine.backward divides by gradient_accumulation_steps ({accum}) itself. Pass the mean loss "
+                      "as it is")
     if _near(ratios, micro * case["d_out"]):
         raise Mistake("the loss passed to engine.backward is the sum of the squared errors: use their mean "
                       "(F.mse_loss's default reduction), as the whole-batch reference does")
     if ratios and not _near(ratios, 1.0):
         raise Mistake(f"the loss you pass to engine.backward is {ratios[0]:.3g} x the micro-batch's mean squared "
                       "error: pass F.mse_loss(engine(x), y) as it is")
+    if TASKS[case["task"]]["offload"] and spy["optimizer"] != "DeepSpeedCPUAdam":
+        raise Mistake(f"offload without a CPU optimizer: the offloaded optimizer states were updated by "
+                      f"{spy['optimizer']}, not by DeepSpeed's DeepSpeedCPUAdam. Leave the optimizer to DeepSpeed: an "
+                      "\"optimizer\" section in the config, no torch optimizer passed to deepspeed.initialize")
     if spy["boundaries"] != steps:
         raise Mistake(f"the engine stepped the optimizer {spy['boundaries']} times for {windows}: no accumulation "
                       f"boundary every {accum} micro-batches; call engine.step() once after each micro-batch")
