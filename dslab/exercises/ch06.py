@@ -18,7 +18,8 @@ def check_merge_call(merge_fn):
     rng = random.SystemRandom()
     r = rng.choice((2, 4, 8))
     torch.manual_seed(rng.randrange(1 << 30))
-    peft_model = attach_lora(models.load_model(), r=r, alpha=r * rng.choice((1, 2, 4))).eval()
+    # alpha / r never 1 or 2 (the usual alpha = r, alpha = 2r): a merge that hard-codes the scaling fails
+    peft_model = attach_lora(models.load_model(), r=r, alpha=r * rng.choice((0.5, 1.5, 3))).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -26,6 +27,8 @@ def check_merge_call(merge_fn):
     ids = probe_ids(peft_model.config.vocab_size)
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(input_ids=ids).logits
     merged = merge_fn(peft_model)
     if merged is None:
         raise Mistake("your function returned None: merge_adapter() merges in place, keeps the LoRA layers and "
@@ -40,8 +43,15 @@ def check_merge_call(merge_fn):
     with torch.no_grad():
         diff = (merged(input_ids=ids).logits - expected).abs().max().item()
     if diff > 1e-4:
-        raise Mistake(f"the returned model's logits differ from base + adapter by {diff:.2g}: unload() removes the "
-                      "adapter without merging it (you get the base model back); use merge_and_unload()")
+        with torch.no_grad():
+            unmerged = (merged(input_ids=ids).logits - base).abs().max().item() <= 1e-4
+        if unmerged:
+            raise Mistake(f"the returned model's logits differ from base + adapter by {diff:.2g}: they are the base "
+                          "model's. unload() removes the adapter without merging it; use merge_and_unload()")
+        raise Mistake(f"the returned model's logits differ from base + adapter by {diff:.2g}, and from the base "
+                      f"model's too: the adapter went into the weights with another scaling than this adapter's "
+                      f"alpha / r = {peft_model.peft_config['default'].lora_alpha / r:g}; merge_and_unload() folds "
+                      "it in as W + (alpha/r) B A")
     return True
 
 
