@@ -65,17 +65,7 @@ def _token_loss_of_one_window(model, micro_batch, window_targets):
 
 
 def _amp_step_clipping_to_1e4(model, optimizer, scaler, x, y, max_norm):
-    import torch
-
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
-    scaler.step(optimizer)
-    scaler.update()
-    return loss
+    return SOLUTIONS["02.amp_clip"](model, optimizer, scaler, x, y, 1e-4)   # the right step, max_norm written in
 
 
 def _model(d_in, d_out):

@@ -167,45 +167,34 @@ def _check_token_loss(fn):
 # 03.engine_loop: the learner writes make_model, make_config and train (dslab/exercises/engine_loop.py says how they
 # are called); the checker runs them on 2 and 3 launched ranks and compares the weights with plain PyTorch. The wrong
 # answers below are the right three functions with one mistake each.
-def _config(micro_batch_size, grad_accum_steps, world_size, lr):
-    return {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
-            "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": 1}}
-
-
 def _config_without_accumulation(micro_batch_size, grad_accum_steps, world_size, lr):
-    cfg = _config(micro_batch_size, grad_accum_steps, world_size, lr)
-    del cfg["gradient_accumulation_steps"]
-    cfg["train_batch_size"] = micro_batch_size * world_size      # one micro-batch per optimizer step
-    return cfg
+    # one micro-batch per optimizer step
+    return loops.config(micro_batch_size, 1, world_size, lr, gradient_accumulation_steps=None)
 
 
 def _config_for_two_ranks(micro_batch_size, grad_accum_steps, world_size, lr):
-    return {**_config(micro_batch_size, grad_accum_steps, world_size, lr),
-            "train_batch_size": micro_batch_size * grad_accum_steps * 2}     # the chapter's world size, hard-coded
+    return loops.config(micro_batch_size, grad_accum_steps, 2, lr)                 # the chapter's world size
 
 
 def _config_without_world(micro_batch_size, grad_accum_steps, world_size, lr):
-    return {**_config(micro_batch_size, grad_accum_steps, world_size, lr),
-            "train_batch_size": micro_batch_size * grad_accum_steps}
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr,
+                        train_batch_size=micro_batch_size * grad_accum_steps)
 
 
 def _config_clipping_by_default(micro_batch_size, grad_accum_steps, world_size, lr):
-    cfg = _config(micro_batch_size, grad_accum_steps, world_size, lr)
-    del cfg["gradient_clipping"]                                # DeepSpeed's default: 1.0
-    return cfg
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr, gradient_clipping=None)  # 1.0
 
 
+_RIGHT = (loops.small_model, loops.config)
 ENGINE_LOOP_WRONG = (
     ((loops.small_model, _config_without_accumulation, loops.train), "no accumulation boundary"),
-    ((loops.small_model, _config, loops.train_loss_divided_twice), "the loss is divided twice"),
-    ((loops.small_model, _config, loops.train_optimizer_step), "optimizer stepped outside the engine"),
-    ((loops.small_model, _config, loops.train_zero_grad), "zero_grad fighting the engine"),
+    ((*_RIGHT, loops.with_mistake("loss divided")), "the loss is divided twice"),
+    ((*_RIGHT, loops.with_mistake("optimizer step")), "optimizer stepped outside the engine"),
+    ((*_RIGHT, loops.with_mistake("zero_grad")), "zero_grad fighting the engine"),
     ((loops.small_model, _config_for_two_ranks, loops.train), "takes the world size as 2"),
     ((loops.small_model, _config_without_world, loops.train), "leaves out the world size"),
-    ((loops.small_model, _config, loops.train_loss_backward), "engine.backward was never called"),
-    ((loops.small_model, _config, loops.train_step_at_boundary), "call it after every micro-batch"),
+    ((*_RIGHT, loops.with_mistake("loss.backward")), "engine.backward was never called"),
+    ((*_RIGHT, loops.with_mistake("step at boundary")), "call it after every micro-batch"),
     ((loops.small_model, _config_clipping_by_default, loops.train), "gradient_clipping is 1.0"),
 )
 

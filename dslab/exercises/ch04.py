@@ -103,41 +103,38 @@ def _check_zero3_offload(cfg, world_size=2):
 
 # 04.offload_loop: chapter 03's engine loop under ZeRO-3 with the optimizer and the parameters offloaded to the CPU
 # (dslab/exercises/engine_loop.py, task "offload"). The wrong answers are the right run with one mistake each.
-def _offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr, zero=None, optimizer=True):
-    cfg = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
-           "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": 0.0,
-           "zero_optimization": zero or {"stage": 3, "offload_optimizer": _CPU, "offload_param": _CPU}}
-    if optimizer:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}
-    return cfg
+_BOTH_OFFLOADED = {"stage": 3, "offload_optimizer": _CPU, "offload_param": _CPU}
+
+
+def _offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr):
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr, zero=_BOTH_OFFLOADED)
 
 
 def _offload_config_without_optimizer(micro_batch_size, grad_accum_steps, world_size, lr):
-    return _offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr, optimizer=False)
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr, zero=_BOTH_OFFLOADED, optimizer=False)
 
 
 def _offload_config_optimizer_only(micro_batch_size, grad_accum_steps, world_size, lr):
-    return _offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr,
-                                zero={"stage": 3, "offload_optimizer": _CPU})
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr,
+                        zero={"stage": 3, "offload_optimizer": _CPU})
 
 
 def _offload_config_stage2(micro_batch_size, grad_accum_steps, world_size, lr):
-    return _offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr,
-                                zero={"stage": 2, "offload_optimizer": _CPU})
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr,
+                        zero={"stage": 2, "offload_optimizer": _CPU})
 
 
 def _offload_config_for_two_ranks(micro_batch_size, grad_accum_steps, world_size, lr):
-    return {**_offload_loop_config(micro_batch_size, grad_accum_steps, world_size, lr),
-            "train_batch_size": micro_batch_size * grad_accum_steps * 2}   # the chapter's world size, hard-coded
+    return loops.config(micro_batch_size, grad_accum_steps, 2, lr, zero=_BOTH_OFFLOADED)   # the chapter's world size
 
 
 OFFLOAD_LOOP_WRONG = (
-    ((loops.small_model, _offload_config_without_optimizer, loops.train_client_optimizer),
+    ((loops.small_model, _offload_config_without_optimizer, loops.with_mistake("client optimizer")),
      "offload without a CPU optimizer"),
     ((loops.small_model, _offload_config_optimizer_only, loops.train), "offload_param does not send"),
     ((loops.small_model, _offload_config_stage2, loops.train), "zero_optimization.stage is 2"),
-    ((loops.small_model, _offload_loop_config, loops.train_loss_divided_twice), "the loss is divided twice"),
-    ((loops.small_model, _offload_loop_config, loops.train_zero_grad), "zero_grad fighting the engine"),
+    ((loops.small_model, _offload_loop_config, loops.with_mistake("loss divided")), "the loss is divided twice"),
+    ((loops.small_model, _offload_loop_config, loops.with_mistake("zero_grad")), "zero_grad fighting the engine"),
     ((loops.small_model, _offload_config_for_two_ranks, loops.train), "takes the world size as 2"),
 )
 

@@ -1,6 +1,18 @@
-"""Training loops a learner writes for the engine-loop exercises (03.engine_loop, 04.offload_loop): the right one and
-the usual mistakes, one each, as the exercises' known wrong answers. Each `train(model, ds_config, micro_batches)`
-is the right loop with one thing changed; `small_model(d_in, d_out)` is a model for them."""
+"""Training loops a learner writes for the engine-loop exercises (03.engine_loop, 04.offload_loop), for their known
+wrong answers: `train` is the right loop, and with `mistake=` the same loop with one usual mistake (each one a
+`functools.partial`, which travels to the ranks as it is); `small_model(d_in, d_out)` is a model for them and
+`config(...)` the ds_config they run with."""
+import functools
+
+# What each mistake changes in the right loop (the checker must name each one).
+MISTAKES = {
+    "loss divided": "passes the loss / gradient_accumulation_steps to engine.backward, which divides it again",
+    "optimizer step": "steps the optimizer deepspeed.initialize returned, after the engine's step, at each window end",
+    "zero_grad": "zeroes the gradients before every micro-batch, as a plain PyTorch loop does",
+    "loss.backward": "calls loss.backward() instead of engine.backward(loss)",
+    "step at boundary": "calls engine.step() only at the end of each accumulation window",
+    "client optimizer": "builds a torch AdamW itself and hands it to deepspeed.initialize",
+}
 
 
 def small_model(d_in, d_out):
@@ -10,87 +22,48 @@ def small_model(d_in, d_out):
     return torch.nn.Sequential(torch.nn.Linear(d_in, 8), torch.nn.Tanh(), torch.nn.Linear(8, d_out))
 
 
-def train(model, ds_config, micro_batches):
-    """The right loop: initialize once; per micro-batch the mean loss to engine.backward, then engine.step()."""
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for x, y in micro_batches:
-        loss = F.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-    return engine
-
-
-def train_loss_divided_twice(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for x, y in micro_batches:
-        loss = F.mse_loss(engine(x), y) / ds_config["gradient_accumulation_steps"]   # engine.backward divides too
-        engine.backward(loss)
-        engine.step()
-    return engine
+def config(micro_batch_size, grad_accum_steps, world_size, lr, zero=None, optimizer=True, **top):
+    """A ds_config that trains as plain PyTorch does (fp32, AdamW, no clipping): ZeRO stage 1 unless `zero` says
+    otherwise, no "optimizer" section if not `optimizer`, `top` keys replaced or added."""
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
+           "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": 0.0,
+           "zero_optimization": zero or {"stage": 1}}
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}
+    cfg.update(top)
+    return {key: value for key, value in cfg.items() if value is not None}
 
 
-def train_optimizer_step(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for i, (x, y) in enumerate(micro_batches, 1):
-        engine.backward(F.mse_loss(engine(x), y))
-        engine.step()
-        if i % ds_config["gradient_accumulation_steps"] == 0:
-            optimizer.step()                                  # plain PyTorch's habit: a second update
-    return engine
-
-
-def train_zero_grad(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for x, y in micro_batches:
-        engine.zero_grad()                                    # erases the micro-batches before this one
-        engine.backward(F.mse_loss(engine(x), y))
-        engine.step()
-    return engine
-
-
-def train_loss_backward(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for x, y in micro_batches:
-        F.mse_loss(engine(x), y).backward()                   # not through the engine
-        engine.step()
-    return engine
-
-
-def train_step_at_boundary(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for i, (x, y) in enumerate(micro_batches, 1):
-        engine.backward(F.mse_loss(engine(x), y))
-        if i % ds_config["gradient_accumulation_steps"] == 0:
-            engine.step()                                     # plain PyTorch's habit: step once per window
-    return engine
-
-
-def train_client_optimizer(model, ds_config, micro_batches):
+def train(model, ds_config, micro_batches, mistake=None):
+    """The right loop (mistake=None): initialize once; per micro-batch the mean loss to engine.backward, then
+    engine.step(). Or the loop with one of MISTAKES."""
     import deepspeed
     import torch
     import torch.nn.functional as F
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)   # not DeepSpeedCPUAdam
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    for x, y in micro_batches:
-        engine.backward(F.mse_loss(engine(x), y))
-        engine.step()
+    if mistake is not None and mistake not in MISTAKES:
+        raise ValueError(f"unknown mistake {mistake!r}; known: {', '.join(MISTAKES)}")
+    own = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0) if mistake == "client optimizer" else None
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=own, config=ds_config,
+                                                   model_parameters=None if own else model.parameters())
+    accum = ds_config.get("gradient_accumulation_steps", 1)
+    for i, (x, y) in enumerate(micro_batches, 1):
+        if mistake == "zero_grad":
+            engine.zero_grad()
+        loss = F.mse_loss(engine(x), y)
+        if mistake == "loss divided":
+            loss = loss / accum
+        if mistake == "loss.backward":
+            loss.backward()
+        else:
+            engine.backward(loss)
+        if mistake != "step at boundary" or i % accum == 0:
+            engine.step()
+        if mistake == "optimizer step" and i % accum == 0:
+            optimizer.step()
     return engine
+
+
+def with_mistake(mistake):
+    """train with one of MISTAKES: a wrong answer's third function."""
+    return functools.partial(train, mistake=mistake)

@@ -1,4 +1,7 @@
 """Instructor solutions for notebooks/04_zero.ipynb (checked by tests/test_exercises.py)."""
+import runpy
+from pathlib import Path
+
 from dslab import memory
 
 # 04.zero2_gb: 13B parameters, ZeRO-2 on 16 GPUs: 2Ψ (whole 16-bit weights) + 14Ψ/16 (partitioned rest).
@@ -31,36 +34,18 @@ zero3_offload = {
 SOLUTIONS["04.zero3_offload"] = zero3_offload
 
 
-# 04.offload_loop: chapter 03's engine loop, unchanged, under a ZeRO-3 config that offloads both the optimizer (its
-# fp32 master weights and Adam's moments, updated by DeepSpeedCPUAdam, which DeepSpeed builds from the "optimizer"
-# section) and the parameter partitions to CPU memory.
-def make_model(d_in, d_out):
-    import torch
-
-    return torch.nn.Sequential(torch.nn.Linear(d_in, 16), torch.nn.GELU(), torch.nn.Linear(16, d_out))
+# 04.offload_loop: chapter 03's engine loop, unchanged (its make_model and train), under a ZeRO-3 config that offloads
+# both the optimizer (its fp32 master weights and Adam's moments, updated by DeepSpeedCPUAdam, which DeepSpeed builds
+# from the "optimizer" section) and the parameter partitions to CPU memory.
+_chapter_03 = runpy.run_path(str(Path(__file__).with_name("03_solutions.py")))
+make_model, make_config, train = _chapter_03["make_model"], _chapter_03["make_config"], _chapter_03["train"]
 
 
 def make_offload_config(micro_batch_size, grad_accum_steps, world_size, lr):
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps,
-        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-    }
-
-
-def train(model, ds_config, micro_batches):
-    import deepspeed
-    import torch.nn.functional as F
-
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    for x, y in micro_batches:
-        loss = F.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-    return engine
+    ds_config = make_config(micro_batch_size, grad_accum_steps, world_size, lr)
+    ds_config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                      "offload_param": {"device": "cpu"}}
+    return ds_config
 
 
 SOLUTIONS["04.offload_loop"] = (make_model, make_offload_config, train)
