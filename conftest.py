@@ -27,10 +27,15 @@ MULTIRANK = (
     # run in one launch per world size (2 and 3), shared by these tests whichever runs first.
     *(f"tests/test_exercises.py::{test}[{exercise_id}]"
       for exercise_id in ("01.average_gradients", "03.engine_loop", "04.offload_loop", "07.init_inference",
-                          "11.pipeline", "11.tensor_data", "11.ulysses", "12.uneven_fix")
+                          "10.reduce_to_owners", "11.pipeline", "11.tensor_data", "11.ulysses", "12.uneven_fix",
+                          "12.zero3_generate", "13.profiled_flops")
       for test in ("test_solution_is_accepted", "test_wrong_answers_are_refused_naming_their_mistake",
                    "test_a_hard_coded_answer_fails")),
     "tests/test_exercises.py::test_a_learners_exception_on_a_rank_is_shown_as_their_traceback",
+    # the same launches, from chapters 10-13's own tests (tests/test_exercises_parallel.py): one per world size each
+    "tests/test_exercises_parallel.py::test_solution_passes_and_what_it_measures_holds",
+    "tests/test_exercises_parallel.py::test_usual_mistakes_are_named",
+    "tests/test_exercises_parallel.py::test_a_hard_coded_answer_fails",
     "tests/test_comm_bytes.py::test_each_rank_sends_what_deepspeeds_algorithm_predicts",  # these two share one
     "tests/test_comm_bytes.py::test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas",  # 3-rank launch
     "tests/test_comm_bytes.py::test_ddp_no_sync_halves_the_bytes_of_two_micro_steps",

@@ -2,10 +2,11 @@
 
 The layers (`Embed`, `Block`, `Head`) are dslab-tiny's pieces without attention: the token embedding, Qwen2's
 RMSNorm + SwiGLU MLP as a residual block, and the output head. A learner lists them as LayerSpecs for
-`deepspeed.pipe.PipelineModule`; each stage builds only its own. `sequential_twin` builds the same layers with the
-same weights in one process (the plain PyTorch reference). `schedule` reads the instructions DeepSpeed's
-`TrainSchedule` gives each stage; `Busy` is a stage that takes a fixed time, to time the schedule itself where
-CPU ranks share cores. Everything here runs on a rank or in the kernel alike.
+`deepspeed.pipe.PipelineModule` (chapter 11's exercise 11.pipeline); each stage builds only its own.
+`sequential_twin` builds the same layers with the same weights in one process (the plain PyTorch reference the
+checker compares with). `schedule` reads the instructions DeepSpeed's `TrainSchedule` gives each stage; `Busy` is a
+stage that takes a fixed time, and `time_busy_stages` times DeepSpeed's schedule with it where CPU ranks share cores.
+Everything here runs on a rank or in the kernel alike.
 """
 import time
 
@@ -57,6 +58,14 @@ class Head(torch.nn.Module):
 
     def forward(self, hidden):
         return self.out(self.norm(hidden))
+
+
+def tiny_layers(blocks=4, vocab_size=10240, hidden_size=256, intermediate_size=688, seed=BASE_SEED):
+    """dslab-tiny's pieces in order, built in this process: Embed, `blocks` Blocks, Head (torch.nn.Sequential)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(Embed(vocab_size, hidden_size),
+                               *[Block(hidden_size, intermediate_size) for _ in range(blocks)],
+                               Head(hidden_size, vocab_size))
 
 
 def lm_loss(logits, labels):
@@ -270,6 +279,33 @@ def time_train_batch(engine, micro_batch, micro_batches, repeats=3):
         took = time.perf_counter() - start
         best = took if best is None else min(best, took)
     return best
+
+
+def time_busy_stages(micro_batches=(1, 2, 4, 8), stages=2, forward_s=0.015, backward_s=0.030, repeats=3):
+    """Run on every rank: DeepSpeed's schedule timed on `stages` Busy layers (one per stage; with more ranks than
+    stages, several pipelines side by side), train_batch for each micro-batch count, then ZeRO-2 asked of the same
+    module. Returns {"seconds": {m: fastest of `repeats` train_batch calls}, "zero2_refused": DeepSpeed's message}.
+
+    A refused deepspeed.initialize has already hooked the module's parameters, which is why it comes last.
+    """
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    net = PipelineModule(layers=[LayerSpec(Busy, 16, forward_s, backward_s) for _ in range(stages)],
+                         num_stages=stages, loss_fn=torch.nn.functional.mse_loss)
+    copies = torch.distributed.get_world_size() // stages   # data-parallel copies of the pipeline
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4 * copies,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+              "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=net, config=config)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    seconds = {m: time_train_batch(engine, (x, x), micro_batches=m, repeats=repeats) for m in micro_batches}
+    try:
+        deepspeed.initialize(model=net, config={**config, "zero_optimization": {"stage": 2}})
+        refused = None
+    except AssertionError as error:
+        refused = str(error)
+    return {"seconds": seconds, "zero2_refused": refused}
 
 
 def fit_line(xs, ys):

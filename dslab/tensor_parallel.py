@@ -10,6 +10,10 @@ VocabParallelLinear, with a loss that never gathers the logits): transformers ad
 with it. The world's other dimension is data parallel, in DeepSpeed's sense: world_size / T model replicas (one per
 tensor-parallel group), each with its own data, and T data-parallel groups of world_size / T ranks (one rank of each
 replica, holding the same slices), which average gradients and over which ZeRO shards.
+
+The training itself (the "tensor_parallel" config, the loop, reading the grid from deepspeed.utils.groups) is the
+learner's, in chapter 11; what is here measures it: the shards a rank holds, the collectives it ran, and the same
+training in one process to compare losses with.
 """
 # DeepSpeed's tensor-parallel layer classes (deepspeed/module_inject/layers.py) and how each splits its weight.
 SPLITS = {"LinearLayer": "output features (column)", "LinearAllreduce": "input features (row), then all-reduce",
@@ -56,14 +60,6 @@ def replica_batches(steps, replicas, micro_batch_size=2, seq_len=64):
     return [batches[s * replicas:(s + 1) * replicas] for s in range(steps)]
 
 
-def one_process_losses(steps, replicas, micro_batch_size=2, seq_len=64, lr=1e-3, model_path=None):
-    """dslab-tiny trained in this process alone on replica_batches(...): each step's per-replica losses."""
-    from dslab import models
-
-    return train_one_process(models.load_model(model_path),
-                             replica_batches(steps, replicas, micro_batch_size, seq_len), lr=lr)
-
-
 def shard_census(module):
     """What this rank holds of a model AutoTP has split.
 
@@ -105,23 +101,6 @@ def _numel(shape):
     return n
 
 
-def layout():
-    """This rank's place in the tensor x data grid: {"rank", "tp_rank", "dp_rank", "tp_group", "dp_group"}.
-
-    Valid after deepspeed.initialize with autotp_size > 1 (DeepSpeed's groups hold the grid from then on).
-    """
-    import torch.distributed as tdist
-    from deepspeed.utils import groups
-
-    def members(group):
-        return sorted(tdist.get_process_group_ranks(group))
-
-    return {"rank": tdist.get_rank(), "tp_rank": groups.get_tensor_model_parallel_rank(),
-            "dp_rank": groups.get_data_parallel_rank(),
-            "tp_group": members(groups.get_tensor_model_parallel_group()),
-            "dp_group": members(groups.get_data_parallel_group())}
-
-
 def collectives(raw):
     """{record name: {"calls", "bytes"}} from the comms logger's records (deepspeed.comm.comms_logger.get_raw_data()).
 
@@ -137,26 +116,18 @@ def collectives(raw):
     return out
 
 
-def train_tp(ds_config, steps, model_path=None):
-    """Run on every rank: AutoTP (+ data parallel) training of dslab-tiny in fp32 on `steps` (lists of token
-    batches, one per model replica: the data-parallel rank picks it); returns this rank's {"layout", "losses",
-    "census", "train_batch_size", "dp_world_size"}. The ranks of one tensor-parallel group (one replica) take the
-    same batch: they split the layers, not the data."""
-    import copy
+def forget_groups():
+    """Let the next engine in this process build its own parallel groups: what a new process would give.
 
-    import deepspeed
+    DeepSpeed keeps the grid of an engine that had one in module-level state (deepspeed/utils/groups.py): a
+    PipelineEngine's topology as `groups.mpu`, AutoTP's tensor x data mesh (`_init_tp_mesh_device` returns at once
+    when a tensor-parallel group exists). An engine initialized later in the same process reads them even without a
+    grid of its own: a ZeRO engine after a pipeline takes the stages for model parallelism and fails
+    (engine.py, `self.mpu.get_model_parallel_rank()` on None), and a second AutoTP engine keeps the first one's size.
+    The process groups themselves stay; only DeepSpeed's pointers to them are cleared.
+    """
+    from deepspeed.utils import groups
 
-    from dslab import models
-
-    engine, *_ = deepspeed.initialize(model=copy.deepcopy(models.load_model(model_path)).train(), config=ds_config)
-    where = layout()
-    losses = []
-    for batches in steps:
-        tokens = batches[where["dp_rank"]].to(engine.device)
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    census = shard_census(engine.module)
-    return {"layout": where, "losses": losses, "census": {k: v for k, v in census.items() if k != "layers"},
-            "train_batch_size": engine.train_batch_size(), "dp_world_size": engine.dp_world_size}
+    for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                 "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"):
+        setattr(groups, name, None)

@@ -98,3 +98,28 @@ def test_tcp_bytes_counts_each_connection_and_names_its_peer():
             assert counts[client.getsockname()] == [7, 100_000]     # the server's end of it
             ends = comm.local_endpoints()
             assert client.getsockname() in ends and accepted.getsockname() in ends
+
+
+def test_tiny_layers_are_dslab_tinys_pieces_in_order():
+    layers = pipeline.tiny_layers(blocks=3, vocab_size=64, hidden_size=16, intermediate_size=32)
+    assert [type(layer).__name__ for layer in layers] == ["Embed", "Block", "Block", "Block", "Head"]
+    assert sum(p.numel() for p in layers[0].parameters()) == 64 * 16
+    again = pipeline.tiny_layers(blocks=3, vocab_size=64, hidden_size=16, intermediate_size=32)
+    assert all((a == b).all() for a, b in zip(layers.parameters(), again.parameters()))   # seeded: the same weights
+
+
+def test_forget_groups_clears_what_a_later_engine_would_read():
+    from deepspeed.utils import groups
+
+    names = ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu", "mesh_device",
+             "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK")
+    saved = {name: getattr(groups, name) for name in names}
+    try:
+        for name in names:
+            setattr(groups, name, object())   # what a pipeline's or AutoTP's engine leaves behind
+        tensor_parallel.forget_groups()
+        assert all(getattr(groups, name) is None for name in names)
+        assert groups._get_model_parallel_world_size() == 1   # a later engine sees no model parallelism
+    finally:
+        for name, value in saved.items():
+            setattr(groups, name, value)

@@ -5,7 +5,7 @@ Solutions: notebooks/solutions/10_solutions.py."""
 import copy
 
 from dslab.comm import RING_FACTORS
-from dslab.exercises import Mistake, exercise, expect, require_valid_config
+from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_config
 
 # 10.nccl_zero2: 16 GPUs. DeepSpeed's default all-reduces the gradients and all-gathers the parameters; reduced to
 # their owners, the gradients cost a reduce-scatter's worth, the paper's count.
@@ -96,3 +96,146 @@ def _check_paper_zero2(ds_config):
         if c["op"] == "all_reduce":
             raise Mistake(_LEFT_OVER["all_reduce" if c["numel"] > 1 else c["dtype"]])
     return {c["op"] for c in collectives} == {"reduce", "all_gather_into_tensor"}
+
+
+# ---- 10.reduce_to_owners: the learner writes ZeRO-2's "reduce to owners" with deepspeed.comm; launched ranks run it --
+# reduce_to_owners(grads): grads is this rank's flat fp32 gradient buffer, cut into world_size parts as
+# torch.tensor_split cuts it (rank r owns part r); one reduce per part, to its owner; returns this rank's part of the
+# mean over the ranks. Checked on 2 and 3 ranks with sizes and values drawn at check time; the bytes each rank sent
+# (TCP payload, dslab.comm.tcp_bytes) are compared with gloo's reduce and all-reduce (dslab.gloo_bytes).
+OWNERS_TRIAL = f"{__name__}:owners_trial"
+
+
+def draw_owners_case(world_size, rng=None):
+    """A buffer size (one the world size does not divide: parts of unequal size) and a seed, chosen now."""
+    import random
+
+    rng = rng or random.SystemRandom()
+    numel = rng.choice([n for n in range(20_000, 60_000, 997) if n % world_size])
+    return {"world_size": world_size, "numel": numel, "seed": rng.randrange(1 << 30)}
+
+
+def owners_gradients(case, rank):
+    """Rank `rank`'s gradient buffer in the case (every rank can make any rank's: the reference needs them all)."""
+    import torch
+
+    return torch.randn(case["numel"], generator=torch.Generator().manual_seed(case["seed"] + rank))
+
+
+def owners_bytes(case, rank):
+    """What rank `rank` writes on gloo: {"reduces": one reduce per part to its owner, "all_reduce": one all-reduce of
+    the whole buffer} (dslab.gloo_bytes, preambles included)."""
+    import torch
+
+    from dslab import gloo_bytes
+
+    n = case["world_size"]
+    parts = [t.numel() for t in torch.tensor_split(torch.empty(case["numel"]), n)]
+    return {"reduces": sum(gloo_bytes.reduce(4 * size, 4, n, root=owner)[rank] for owner, size in enumerate(parts)),
+            "all_reduce": gloo_bytes.all_reduce(4 * case["numel"], 4, n)[rank]}
+
+
+def owners_trial(reduce_to_owners, case):
+    """On every rank: the learner's reduce_to_owners on this rank's gradients; how far its answer is from the mean
+    part (and from the usual wrong parts), and the bytes this rank sent while it ran."""
+    import torch
+
+    from dslab import comm
+
+    rank, n = torch.distributed.get_rank(), case["world_size"]
+    everyone = [owners_gradients(case, r) for r in range(n)]
+    mean = torch.stack(everyone).mean(0)
+    mine = torch.tensor_split(torch.arange(case["numel"]), n)[rank]
+    before = sum(sent for sent, _ in comm.tcp_bytes().values())
+    out = reduce_to_owners(everyone[rank].clone())
+    sent = sum(sent for sent, _ in comm.tcp_bytes().values()) - before
+    if not isinstance(out, torch.Tensor):
+        raise Mistake(f"return this rank's part, a tensor; your function returned {type(out).__name__}")
+    out = out.detach().reshape(-1).float()
+    if out.numel() != mine.numel():
+        raise Mistake(f"rank {rank} returned {out.numel()} values; torch.tensor_split cuts {case['numel']} into "
+                      f"{n} parts and rank {rank}'s holds {mine.numel()} (answer with this rank's part only)")
+
+    def off(target):
+        return (out - target[mine]).abs().max().item()
+
+    return {"mean": off(mean), "sum": off(mean * n), "own": off(everyone[rank]), "sent": sent,
+            **owners_bytes(case, rank)}
+
+
+def diagnose_owners(case, results):
+    """A Mistake naming what the learner's reduce_to_owners did wrong on this case, if anything."""
+    n = case["world_size"]
+    what = f"{n} ranks, {case['numel']:,} gradients"
+    for rank, r in enumerate(results):
+        if r["mean"] < 1e-4:
+            continue
+        if r["sum"] < 1e-3:
+            raise Mistake(f"rank {rank}'s part is the sum over the {n} ranks ({what}): reduce adds; divide by "
+                          "world_size for the mean, as DeepSpeed does (it divides before reducing)")
+        said = "still holds its own gradients" if r["own"] < 1e-6 else "is not the mean over the ranks"
+        raise Mistake(f"rank {rank}'s part {said} ({what}): the sum of a reduce lands on its dst only (the other "
+                      "ranks' buffers are left holding partial sums), so reduce part r to its owner, dst=r, every rank "
+                      "calling every reduce, then / world_size")
+    for rank, r in enumerate(results):
+        if abs(r["sent"] - r["reduces"]) <= 0.02 * r["reduces"] + 200:
+            continue
+        if abs(r["sent"] - r["all_reduce"]) <= 0.02 * r["all_reduce"] + 200:
+            raise Mistake(f"rank {rank} sent {r['sent']:,} bytes, what an all-reduce of the whole buffer sends on "
+                          f"gloo; one reduce per part to its owner sends {r['reduces']:,} ({what}): every rank "
+                          "received every sum, the gap of section 4 (gloo's reduce_scatter is an all-reduce too)")
+        raise Mistake(f"rank {rank} sent {r['sent']:,} bytes; one reduce per part to its owner sends "
+                      f"{r['reduces']:,} on gloo ({what})")
+
+
+def _owners_answer(grads, dst=None, mean=True, collective="reduce", split="tensor_split"):
+    """reduce_to_owners as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
+    import deepspeed.comm as dist
+    import torch
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    parts = torch.tensor_split(grads, world_size) if split == "tensor_split" else grads.chunk(world_size)
+    if collective == "all_reduce":
+        dist.all_reduce(grads)
+    else:
+        for owner, part in enumerate(parts):
+            dist.reduce(part, dst=owner if dst is None else dst)
+    return parts[rank] / (world_size if mean else 1)
+
+
+def _owners_all_reduce(grads):
+    return _owners_answer(grads, collective="all_reduce")   # right values, twice the bytes
+
+
+def _owners_sum(grads):
+    return _owners_answer(grads, mean=False)
+
+
+def _owners_all_to_rank0(grads):
+    return _owners_answer(grads, dst=0)
+
+
+def _owners_halves(grads):
+    import deepspeed.comm as dist
+    import torch
+
+    parts = torch.tensor_split(grads, 2)                      # the chapter's 2 ranks, typed in
+    for owner, part in enumerate(parts):
+        dist.reduce(part, dst=owner)
+    return parts[dist.get_rank()] / 2
+
+
+def _prepare_owners(answers):
+    on_ranks.prepare(OWNERS_TRIAL, [a for a in answers if callable(a)], draw_owners_case)
+
+
+@exercise("10.reduce_to_owners",
+          wrong=((_owners_all_reduce, "what an all-reduce of the whole buffer sends"),
+                 (_owners_sum, "is the sum over the"),
+                 (_owners_all_to_rank0, "lands on its dst only"),
+                 (_owners_halves, "values; torch.tensor_split cuts")),
+          prepare=_prepare_owners,
+          hint="complete reduce_to_owners(grads): parts = torch.tensor_split(grads, world_size); for each part, "
+               "deepspeed.comm.reduce(part, dst=its owner) on every rank; return parts[rank] / world_size.")
+def _check_owners(reduce_to_owners):
+    return on_ranks.check(OWNERS_TRIAL, reduce_to_owners, draw_owners_case, diagnose_owners)

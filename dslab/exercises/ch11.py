@@ -1,7 +1,11 @@
-"""Chapter 11 (pipeline and tensor parallelism): the bubble, and a tensor x data parallel config.
+"""Chapter 11 (pipeline and tensor parallelism): the bubble, a tensor x data parallel config, and the chapter's three
+coding exercises, each in a module of its own that registers it: 11.pipeline (dslab/exercises/ch11_pipeline.py),
+11.tensor_data (ch11_tensor_data.py), 11.ulysses (ch11_ulysses.py).
 
 Solutions: notebooks/solutions/11_solutions.py."""
-from dslab.exercises import Mistake, exercise, expect
+from dslab.exercises import Mistake, ch11_pipeline, ch11_tensor_data, ch11_ulysses, exercise, expect
+
+CODING = (ch11_pipeline, ch11_tensor_data, ch11_ulysses)   # imported for the exercises they register
 
 # 4 stages, 12 micro-batches: (p - 1) / (m + p - 1) = 3 / 15 of every stage's time slots are idle.
 expect("11.bubble", 0.2, rel=1e-3,

@@ -194,3 +194,145 @@ exercise("12.uneven_fix", wrong=((UNEVEN_SCRIPT, "it still hangs"),
                                  (_MEAN_WITHOUT_A_COLLECTIVE, "rank 0 printed mean nan")),
          hint="run the same number of steps on every rank (the longest shard's); a rank out of samples adds "
               "[0, 0] to the step's all_reduce")(check_uneven_fix)
+
+
+# ---- 12.zero3_generate: the learner generates under ZeRO-3 on every rank, each rank its own number of tokens -------
+# generate_on_ranks(model, prompt, new_tokens): a ZeRO-3 engine of the model, then greedy generation of exactly
+# new_tokens tokens after `prompt` on this rank (the ranks ask for different numbers), without hanging; returns the new
+# token ids. Checked on 2 and 3 ranks: a small Qwen2 model, a prompt and per-rank token counts drawn now, against
+# Hugging Face's generate in one process. A generate under ZeRO-3 without synced_gpus=True is named before it runs (it
+# would hang, as section 6 showed).
+GENERATE_TRIAL = f"{__name__}:generate_trial"
+
+
+def draw_generate_case(world_size, rng=None):
+    """A model shape, a prompt and a different number of new tokens per rank (never the chapter's 4 and 16)."""
+    import random
+
+    rng = rng or random.SystemRandom()
+    heads = rng.choice((2, 4))
+    return {"world_size": world_size,
+            "shape": {"hidden_size": heads * rng.choice((8, 16)), "num_attention_heads": heads,
+                      "num_key_value_heads": heads // 2, "intermediate_size": 8 * rng.choice((6, 10)),
+                      "num_hidden_layers": rng.choice((1, 2)), "vocab_size": rng.choice((300, 500)),
+                      "max_position_embeddings": 64},
+            "prompt_len": rng.randint(3, 8), "new_tokens": rng.sample([2, 3, 5, 6, 7, 9, 11], world_size),
+            "seed": rng.randrange(1 << 30)}
+
+
+def _generate_model(case):
+    from dslab.models import build_model, tiny_config
+
+    return build_model(tiny_config(**case["shape"]), seed=case["seed"] % 1000)
+
+
+def _guarded_generate(original):
+    """GenerationMixin.generate as the trial runs it: under ZeRO-3, a call without synced_gpus=True is named on every
+    rank before it starts (the rank that finishes first would leave while the others wait for its shards)."""
+    import functools
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        zero3 = any(hasattr(p, "ds_id") for p in self.parameters())   # parameters ZeRO-3 partitioned
+        if zero3 and kwargs.get("synced_gpus") is not True:
+            raise Mistake("generate under ZeRO-3 without synced_gpus=True: the ranks ask for different numbers of "
+                          "tokens, so the first one done would leave generate while the others wait in an all-gather "
+                          "for its shards of the next forward pass (it hangs, section 6); pass synced_gpus=True")
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
+def generate_trial(generate_on_ranks, case):
+    """On every rank: the learner's generate_on_ranks with this rank's token count; its tokens, and one process's."""
+    import copy
+
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    rank = torch.distributed.get_rank()
+    model = _generate_model(case).eval()
+    g = torch.Generator().manual_seed(case["seed"])
+    prompt = torch.randint(3, case["shape"]["vocab_size"], (1, case["prompt_len"]), generator=g)
+    wanted = case["new_tokens"][rank]
+    with torch.no_grad():   # one process, the same weights: what greedy decoding must give
+        alone = model.generate(prompt, max_new_tokens=wanted, min_new_tokens=wanted, do_sample=False,
+                               pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    original = GenerationMixin.generate
+    GenerationMixin.generate = _guarded_generate(original)
+    try:
+        out = generate_on_ranks(copy.deepcopy(model), prompt.clone(), wanted)
+    finally:
+        GenerationMixin.generate = original
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    while isinstance(out, list) and len(out) == 1 and isinstance(out[0], list):
+        out = out[0]   # a [1, n] batch of one
+    return {"rank": rank, "got": out if isinstance(out, list) else repr(out)[:80], "alone": alone,
+            "prompt": prompt[0].tolist(), "wanted": wanted}
+
+
+def diagnose_generate(case, results):
+    """A Mistake naming what the learner's generate_on_ranks did wrong on this case, if anything."""
+    what = f"{case['world_size']} ranks asking for {case['new_tokens']} new tokens"
+    for r in results:
+        got, alone = r["got"], r["alone"]
+        if got == alone:
+            continue
+        if not isinstance(got, list):
+            raise Mistake(f"rank {r['rank']} returned {got}: return the new token ids (a list or a tensor)")
+        if got[:len(r["prompt"])] == r["prompt"] and got[len(r["prompt"]):] == alone:
+            raise Mistake(f"rank {r['rank']} returned the prompt and the new tokens: return only the "
+                          f"{r['wanted']} new ones (generate returns the prompt first)")
+        if len(got) != r["wanted"]:
+            raise Mistake(f"rank {r['rank']} generated {len(got)} tokens, not the {r['wanted']} it asked for "
+                          f"({what}): max_new_tokens=new_tokens and min_new_tokens=new_tokens, the argument")
+        raise Mistake(f"rank {r['rank']}'s tokens {got} are not greedy decoding's {alone} ({what}): do_sample=False")
+
+
+def _generate_answer(model, prompt, new_tokens, synced=True, count=None, whole=False, stage=3):
+    """generate_on_ranks as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
+    import deepspeed
+
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    count = new_tokens if count is None else count
+    kwargs = {"synced_gpus": True} if synced else {}
+    out = engine.module.generate(prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                 pad_token_id=0, **kwargs)
+    return out[0] if whole else out[0, prompt.shape[1]:]
+
+
+def _generate_unsynced(model, prompt, new_tokens):
+    return _generate_answer(model, prompt, new_tokens, synced=False)
+
+
+def _generate_four(model, prompt, new_tokens):
+    return _generate_answer(model, prompt, new_tokens, count=4)        # a count typed in
+
+
+def _generate_with_prompt(model, prompt, new_tokens):
+    return _generate_answer(model, prompt, new_tokens, whole=True)
+
+
+def _prepare_generate(answers):
+    from dslab.exercises import on_ranks
+
+    on_ranks.prepare(GENERATE_TRIAL, [a for a in answers if callable(a)], draw_generate_case)
+
+
+def check_generate(generate_on_ranks):
+    """Run the learner's generate_on_ranks on 2, then 3 launched ranks (dslab.exercises.on_ranks)."""
+    from dslab.exercises import on_ranks
+
+    return on_ranks.check(GENERATE_TRIAL, generate_on_ranks, draw_generate_case, diagnose_generate)
+
+
+exercise("12.zero3_generate",
+         wrong=((_generate_unsynced, "without synced_gpus=True"),
+                (_generate_four, "generated 4 tokens"),
+                (_generate_with_prompt, "returned the prompt and the new tokens")),
+         prepare=_prepare_generate,
+         hint="complete generate_on_ranks(model, prompt, new_tokens): deepspeed.initialize with \"zero_optimization\": "
+              "{\"stage\": 3}; engine.module.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, "
+              "do_sample=False, synced_gpus=True); return the ids after the prompt.")(check_generate)

@@ -2,7 +2,7 @@
 bytes per parameter, and a bf16-states config run for real.
 
 Solutions: notebooks/solutions/13_solutions.py."""
-from dslab.exercises import Mistake, exercise, expect, require_valid_config
+from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_config
 
 
 # 13.forward_flops: the learner writes my_forward_flops(config, batch_size, seq_len) -> the forward FLOPs DeepSpeed's
@@ -161,3 +161,149 @@ def _check_bf16_states(cfg, world_size=2):
     if abs(per_param - 6) > 0.01:
         raise Mistake(f"the run kept {per_param:.2f} bytes of optimizer states per parameter, not 6")
     return True
+
+
+# ---- 13.profiled_flops: the learner turns DeepSpeed's flops profiler on and reads its count, on every rank ---------
+# profiled_flops(model, batches, profile_step): ZeRO-2 in bf16 with "flops_profiler" profiling global step
+# profile_step, one training step per batch, and on every rank the forward FLOPs the profiler counted (only rank 0
+# profiles: engine.py starts the profiler when global_steps == profile_step and global_rank == 0). Checked on 2 and 3
+# ranks: a small Qwen2 model, batches of a different length at every step and the step to profile, drawn now; the
+# count must be dslab.mfu.forward_flops of the profiled step's batch, exactly.
+PROFILE_TRIAL = f"{__name__}:profile_trial"
+
+
+def draw_profile_case(world_size, rng=None):
+    """A model shape, a batch length per step (all different) and the step to profile, chosen now; never the chapter's
+    profile_step 2."""
+    import random
+
+    rng = rng or random.SystemRandom()
+    heads = rng.choice((2, 4))
+    steps = rng.choice((4, 5))
+    return {"world_size": world_size,
+            "shape": {"hidden_size": heads * rng.choice((8, 16)), "num_attention_heads": heads,
+                      "num_key_value_heads": heads // 2, "intermediate_size": 8 * rng.choice((6, 10, 12)),
+                      "num_hidden_layers": rng.choice((1, 2)), "vocab_size": rng.choice((300, 500)),
+                      "max_position_embeddings": 64},
+            "rows": rng.choice((1, 3)), "seq_lens": rng.sample(range(6, 30), steps),
+            "profile_step": rng.choice([s for s in range(1, steps) if s != 2]), "seed": rng.randrange(1 << 30)}
+
+
+def profile_case_config(case):
+    """The case's Qwen2 config."""
+    from dslab.models import tiny_config
+
+    return tiny_config(**case["shape"])
+
+
+def profile_trial(profiled_flops, case):
+    """On every rank: the learner's profiled_flops on the case; the count it returned and the counts of every step's
+    batch (to tell which one it profiled)."""
+    import torch
+
+    from dslab import mfu
+    from dslab.models import build_model
+
+    config = profile_case_config(case)
+    model = build_model(config, seed=case["seed"] % 1000)
+    g = torch.Generator().manual_seed(case["seed"])
+    batches = [torch.randint(3, config.vocab_size, (case["rows"], s), generator=g) for s in case["seq_lens"]]
+    try:
+        got = profiled_flops(model, batches, case["profile_step"])
+    except AttributeError as exc:
+        if "'NoneType' object has no attribute" in str(exc):
+            raise Mistake("engine.flops_profiler is None: the profiler is off. \"flops_profiler\": {\"enabled\": true, "
+                          "\"profile_step\": profile_step} turns it on") from None
+        if "has no attribute 'flops'" in str(exc) and torch.distributed.get_rank() > 0:
+            raise Mistake(f"rank {torch.distributed.get_rank()}'s profiler has no count: only rank 0 profiles "
+                          "(engine.py starts it when global_rank == 0); read the count on rank 0 and send it to the "
+                          "others (dist.broadcast, or broadcast_object_list)") from None
+        raise
+    if hasattr(got, "item"):
+        got = got.item()
+    counts = [mfu.forward_flops(config, case["rows"], s) for s in case["seq_lens"]]
+    return {"got": got if isinstance(got, (int, float)) and not isinstance(got, bool) else repr(got)[:80],
+            "totals": [c["total"] for c in counts], "silu": [c["SiLU"] for c in counts],
+            "rank": torch.distributed.get_rank()}
+
+
+def diagnose_profile(case, results):
+    """A Mistake naming what the learner's profiled_flops did wrong on this case, if anything."""
+    step = case["profile_step"]
+    first = results[0]
+    totals = first["totals"]
+    want = totals[step]
+    what = (f"{case['world_size']} ranks, batches of {case['rows']} x {case['seq_lens']} tokens, profile_step {step}")
+    for r in results:
+        got = r["got"]
+        if got == want:
+            continue
+        if not isinstance(got, (int, float)):
+            raise Mistake(f"rank {r['rank']} returned {got}: return the count, a number, on every rank ({what})")
+        if got == 0 and r["rank"] > 0:
+            raise Mistake(f"rank {r['rank']} returned 0: only rank 0 profiles (engine.py starts the profiler when "
+                          "global_rank == 0); read its count on rank 0 and broadcast it to the others")
+        if got in totals:
+            other = totals.index(got)
+            raise Mistake(f"rank {r['rank']} returned {got:,}, the forward FLOPs of step {other}'s batch "
+                          f"({case['rows']} x {case['seq_lens'][other]} tokens); profile_step {step} (counted from 0) "
+                          f"is the step whose batch is {case['rows']} x {case['seq_lens'][step]} ({what}): "
+                          "\"profile_step\": profile_step, the argument")
+        if 2 * got + first["silu"][step] == want:
+            raise Mistake(f"rank {r['rank']} returned {got:,}, the profiler's multiply-adds (macs); the FLOPs are "
+                          f"flops: {want:,} ({what})")
+        raise Mistake(f"rank {r['rank']} returned {got:,}; DeepSpeed's profiler counts {want:,} forward FLOPs for "
+                      f"step {step}'s batch ({what}): read engine.flops_profiler.flops after that step's engine.step()")
+
+
+def _profile_answer(model, batches, profile_step, step=None, broadcast=True, macs=False):
+    """profiled_flops as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
+    import deepspeed
+    import torch
+
+    ds_config = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_accumulation_steps": 1,
+                 "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                 "flops_profiler": {"enabled": True, "profile_step": profile_step if step is None else step,
+                                    "top_modules": 1, "detailed": False},
+                 "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    for tokens in batches:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+    profiler = engine.flops_profiler
+    rank = torch.distributed.get_rank()
+    if not broadcast:
+        return getattr(profiler, "macs" if macs else "flops", 0)
+    count = [getattr(profiler, "macs" if macs else "flops") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(count, src=0)
+    return count[0]
+
+
+def _profile_chapters_step(model, batches, profile_step):
+    return _profile_answer(model, batches, profile_step, step=2)          # the chapter's profile_step, typed in
+
+
+def _profile_rank0_only(model, batches, profile_step):
+    return _profile_answer(model, batches, profile_step, broadcast=False)  # rank 0's count stays on rank 0
+
+
+def _profile_macs(model, batches, profile_step):
+    return _profile_answer(model, batches, profile_step, macs=True)
+
+
+def _prepare_profile(answers):
+    on_ranks.prepare(PROFILE_TRIAL, [a for a in answers if callable(a)], draw_profile_case)
+
+
+@exercise("13.profiled_flops",
+          wrong=((_profile_chapters_step, "the forward FLOPs of step 2's batch"),
+                 (_profile_rank0_only, "only rank 0 profiles"),
+                 (_profile_macs, "the profiler's multiply-adds")),
+          prepare=_prepare_profile,
+          hint="complete profiled_flops(model, batches, profile_step): a ds_config (ZeRO-2, bf16) with "
+               "\"flops_profiler\": {\"enabled\": true, \"profile_step\": profile_step}; one training step per batch; "
+               "then engine.flops_profiler.flops on rank 0, broadcast to every rank.")
+def _check_profile(profiled_flops):
+    return on_ranks.check(PROFILE_TRIAL, profiled_flops, draw_profile_case, diagnose_profile)

@@ -1,4 +1,5 @@
 """Instructor solutions for notebooks/12_debugging_hangs.ipynb (checked by tests/test_exercises.py)."""
+import deepspeed
 
 # 12.read_report: `launch.run("runs/12/uneven.py", world_size=2, hang_timeout=10)` reports
 #   rank 0 (pid ...): blocked in all_reduce (torch/distributed/distributed_c10d.py:...), called from uneven.py:14
@@ -31,7 +32,20 @@ if rank == 0:
     print(f"mean {total[0].item() / total[1].item():.4f} over {total[1].item():.0f} samples", flush=True)
 '''
 
+
+
+# 12.zero3_generate: under ZeRO-3 every forward pass all-gathers each layer's shards from every rank, so every rank must
+# run as many forward passes as the longest generation: synced_gpus=True keeps a rank that is done running them.
+def generate_on_ranks(model, prompt, new_tokens):
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    out = engine.module.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, synced_gpus=True)
+    return out[0, prompt.shape[1]:]
+
+
 SOLUTIONS = {
     "12.read_report": read_report,
     "12.uneven_fix": uneven_fixed,
+    "12.zero3_generate": generate_on_ranks,
 }

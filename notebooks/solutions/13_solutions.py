@@ -1,4 +1,7 @@
 """Instructor solutions for notebooks/13_where_time_goes.ipynb (checked by tests/test_exercises.py)."""
+import deepspeed
+import torch
+
 from dslab import memory
 
 
@@ -29,8 +32,35 @@ bf16_states = {
     "zero_optimization": {"stage": 2},
 }
 
+
+
+# 13.profiled_flops: the profiler counts one forward pass at global step profile_step (the (profile_step + 1)th
+# step, counted from 0), on rank 0 only; its count stays on the profiler after that step. Rank 0 sends it to the
+# others.
+def profiled_flops(model, batches, profile_step):
+    ds_config = {
+        "train_micro_batch_size_per_gpu": batches[0].shape[0],
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+        "flops_profiler": {"enabled": True, "profile_step": profile_step, "top_modules": 1, "detailed": False},
+        "steps_per_print": 1_000_000,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    for tokens in batches:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+    rank = torch.distributed.get_rank()
+    count = [engine.flops_profiler.flops if rank == 0 else None]   # only rank 0 profiled
+    torch.distributed.broadcast_object_list(count, src=0)
+    return count[0]
+
+
 SOLUTIONS = {
     "13.forward_flops": my_forward_flops,
     "13.muon_bytes": muon_bytes,
     "13.bf16_states": bf16_states,
+    "13.profiled_flops": profiled_flops,
 }
