@@ -300,15 +300,15 @@ def diagnose(case, results):
     if any(r["spy"]["fighting_zero_grads"] for r in results):
         raise Mistake(FIGHTING_ZERO_GRAD)
     ratios = [x for r in results for x in r["spy"]["ratios"]]
-    divisor = round(1 / ratios[0]) if ratios and 0 < ratios[0] < 1 else None
-    if divisor and divisor > 1 and _near(ratios, 1 / divisor):
-        raise Mistake(f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {divisor}, and "
-                      f"engine.backward divides by gradient_accumulation_steps ({accum}) itself. Pass the mean loss "
-                      "as it is")
-    if _near(ratios, micro * case["d_out"]):
-        raise Mistake("the loss passed to engine.backward is the sum of the squared errors: use their mean "
-                      "(F.mse_loss's default reduction), as the whole-batch reference does")
-    if ratios and not _near(ratios, 1.0):
+    if ratios and not _near(ratios, 1.0):   # (with one value per micro-batch, a sum is the mean: not a mistake then)
+        divisor = round(1 / ratios[0]) if 0 < ratios[0] < 1 else None
+        if divisor and divisor > 1 and _near(ratios, 1 / divisor):
+            raise Mistake(f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {divisor}, "
+                          f"and engine.backward divides by gradient_accumulation_steps ({accum}) itself. Pass the mean "
+                          "loss as it is")
+        if _near(ratios, micro * case["d_out"]):
+            raise Mistake("the loss passed to engine.backward is the sum of the squared errors: use their mean "
+                          "(F.mse_loss's default reduction), as the whole-batch reference does")
         raise Mistake(f"the loss you pass to engine.backward is {ratios[0]:.3g} x the micro-batch's mean squared "
                       "error: pass F.mse_loss(engine(x), y) as it is")
     if TASKS[case["task"]]["offload"] and spy["optimizer"] != "DeepSpeedCPUAdam":
