@@ -115,7 +115,7 @@ def _amp_case():
 
 
 @exercise("02.amp_clip",
-          wrong=((_no_scaler_step, "fp16 flushed the tiny gradients"), (_clip_scaled_step, "still multiplied by the loss scale"),
+          wrong=((_no_scaler_step, "no loss scaling"), (_clip_scaled_step, "still multiplied by the loss scale"),
                  (_unclipped_step, "were not clipped"), (_no_update_step, "call scaler.update()"),
                  (_chapter_norm_step, "you clipped to 0.0001")),
           hint="write step(model, optimizer, scaler, x, y, max_norm): zero_grad; forward and loss under "
@@ -136,8 +136,8 @@ def _check_amp_clip(step_fn):
         return True
     if not got["moved"]:
         if got["grad_zero"] == 1.0:
-            raise Mistake("every gradient was 0 and no weight moved: fp16 flushed the tiny gradients. Multiply "
-                          "the loss by the scale before backward: scaler.scale(loss).backward()")
+            raise Mistake("no loss scaling: every gradient was 0 and no weight moved, fp16 flushed the tiny "
+                          "gradients. Multiply the loss by the scale before backward: scaler.scale(loss).backward()")
         raise Mistake("no weight moved: the optimizer never stepped. Call scaler.step(optimizer) (it unscales "
                       "the gradients and skips the step only if one is inf/nan)")
     if same_weights(got["weights"], run_amp_step(_clip_scaled_step, **case)["weights"]):
