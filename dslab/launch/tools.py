@@ -7,9 +7,10 @@ import re
 import shlex
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
-from dslab.launch.guard import parent_death_signal
+from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
 from dslab.launch.supervise import LaunchError
 from dslab.messages import say
 
@@ -80,10 +81,14 @@ def run_tool(lines, log_dir, timeout=3600, show=True):
             raise LaunchError(not_built_note(argv[0]))
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    # The tools start torchrun and their ranks themselves: every process of the job carries JOB_ENV=job, so the
+    # guard stops them all if this process dies (a restarted kernel), and so does the end of this function.
+    job = f"tool-{uuid.uuid4().hex[:12]}"
+    guard = start_guard(marker=(JOB_ENV, job))
     procs, logs = [], []
     for node, (env, argv) in enumerate(parsed):
         bin_dir = venv_bin(argv[0])
-        full = dict(os.environ, **env)
+        full = dict(os.environ, **env, **{JOB_ENV: job})
         full["PATH"] = f"{bin_dir}{os.pathsep}{full.get('PATH', '')}"
         full["VIRTUAL_ENV"] = str(bin_dir.parent)
         full.pop("PYTHONPATH", None)           # dslab's packages must not leak into the tool's venv
@@ -104,14 +109,10 @@ def run_tool(lines, log_dir, timeout=3600, show=True):
             failed = next(i for i, p in enumerate(procs) if p.poll() is None)
         time.sleep(0.5)
     failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+    stop_processes(procs=processes_with_env(JOB_ENV, job))  # the nodes still running and all they started
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        p.wait()
+    guard.kill()
     if failed is not None:
         tail = "\n".join(logs[failed].read_text(encoding="utf-8", errors="replace").splitlines()[-30:])
         raise LaunchError(say("tools.failed", node=failed, line=lines[failed], code=procs[failed].returncode,
