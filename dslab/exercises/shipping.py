@@ -9,19 +9,16 @@ fresh namespace, as a notebook's globals are one namespace. Names that cannot be
 are left out: using one on a rank is a NameError that the learner's traceback shows.
 """
 import ast
-import base64
 import builtins
 import importlib
 import inspect
 import linecache
-import pickle
 import sys
 import textwrap
 import types
 
 from dslab.exercises import feedback
 
-MAX_PICKLE_BYTES = 1 << 20
 _LITERALS = (int, float, complex, str, bytes, bool, type(None))
 
 
@@ -169,13 +166,8 @@ def pack(objects):
         if where:
             chunks.append({"kind": "ref", "name": name, "module": where[0], "qualname": where[1]})
             return
-        try:
-            data = pickle.dumps(obj)
-        except Exception:  # not picklable: left out (a NameError on the rank if it is used there)
-            return
-        if len(data) > MAX_PICKLE_BYTES:   # a model or a dataset: the ranks would get it through JSON
-            return
-        chunks.append({"kind": "pickle", "name": name, "data": base64.b64encode(data).decode("ascii")})
+        # Anything else (an object, a tensor, a model) is left out: a rank unpickling what it is sent would run any
+        # code a pickle holds (tests/test_security.py). Using it on a rank is a NameError the learner's traceback shows.
 
     names = []
     for obj in objects:
@@ -202,8 +194,6 @@ def unpack(packed):
             namespace[name] = target
         elif kind == "value":
             namespace[name] = ast.literal_eval(chunk["repr"])
-        elif kind == "pickle":
-            namespace[name] = pickle.loads(base64.b64decode(chunk["data"]))
         elif kind == "source":
             # Blank lines first, so the code keeps its line numbers; linecache lets a traceback show its text.
             text = "\n" * (chunk["line"] - 1) + chunk["text"]
