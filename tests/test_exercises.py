@@ -338,3 +338,20 @@ def test_shipping_rebuilds_functions_with_what_they_use_at_their_own_lines():
     assert "tests/test_exercises.py, line" in report and "in _fails" in report and "return _helper(x) / 0" in report
     with pytest.raises(shipping.Unshippable, match="lambda"):
         shipping.pack([lambda x: x])
+
+
+def test_shipping_sends_a_partial_as_its_function_and_bound_values():
+    import functools
+
+    bound = functools.partial(_uses_everything_scaled, 3, offset=0.5)
+    packed = json.loads(json.dumps(shipping.pack([bound])))
+    assert "partial" in {c["kind"] for c in packed["chunks"]}
+    (rebuilt,), _ = shipping.unpack(packed)
+    assert isinstance(rebuilt, functools.partial) and rebuilt(2.0) == bound(2.0) == 6.5
+    unsendable = functools.partial(_uses_everything_scaled, object())
+    with pytest.raises(KeyError):           # left out, as any object that is neither source, literal nor importable
+        shipping.unpack(json.loads(json.dumps(shipping.pack([unsendable]))))
+
+
+def _uses_everything_scaled(factor, x, offset=0.0):
+    return factor * x + offset

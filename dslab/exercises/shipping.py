@@ -4,12 +4,14 @@ A function defined in a notebook cell lives in the kernel only; a rank started b
 `pack(objects)` writes down, as JSON, what rebuilds them: the source of each function or class the learner wrote
 (read where Python keeps it: the cell, or the file), at its own line numbers, so that a traceback on a rank points at
 the learner's line; an `import` for each module they name; the value of each plain constant; a reference for
-anything importable (dslab's own functions, an installed library's). `unpack(packed)` on a rank rebuilds them in one
-fresh namespace, as a notebook's globals are one namespace. Names that cannot be sent (an open file, a live engine)
+anything importable (dslab's own functions, an installed library's); a `functools.partial` as its function and its
+bound values. `unpack(packed)` on a rank rebuilds them in one fresh namespace, as a notebook's globals are one
+namespace. Names that cannot be sent (an open file, a live engine)
 are left out: using one on a rank is a NameError that the learner's traceback shows.
 """
 import ast
 import builtins
+import functools
 import importlib
 import inspect
 import linecache
@@ -162,6 +164,13 @@ def pack(objects):
         if _is_literal(obj):
             chunks.append({"kind": "value", "name": name, "repr": repr(obj)})
             return
+        if isinstance(obj, functools.partial) and _is_literal(obj.args) and _is_literal(obj.keywords):
+            # A function with some arguments bound: the function travels as any other, the arguments as values.
+            func_name = f"{name}.func"
+            visit(func_name, obj.func, namespace_of_user)
+            chunks.append({"kind": "partial", "name": name, "func": func_name, "args": repr(obj.args),
+                           "keywords": repr(obj.keywords)})
+            return
         where = _importable(obj) if callable(obj) else None
         if where:
             chunks.append({"kind": "ref", "name": name, "module": where[0], "qualname": where[1]})
@@ -194,6 +203,9 @@ def unpack(packed):
             namespace[name] = target
         elif kind == "value":
             namespace[name] = ast.literal_eval(chunk["repr"])
+        elif kind == "partial":
+            namespace[name] = functools.partial(namespace[chunk["func"]], *ast.literal_eval(chunk["args"]),
+                                                **ast.literal_eval(chunk["keywords"]))
         elif kind == "source":
             # Blank lines first, so the code keeps its line numbers; linecache lets a traceback show its text.
             text = "\n" * (chunk["line"] - 1) + chunk["text"]
