@@ -117,8 +117,9 @@ def bench_steps(run_dir):
 
 # ------------------------------------------------------------------------------------------------- memory
 def bench_memory(run_dir):
-    """Measured / theory model-state bytes per rank for each stage (dslab.memory, the zero_memory recipe)."""
-    from dslab import launch, memory
+    """Measured / theory model-state bytes per rank for each stage (dslab.zero.memory, the zero_memory recipe)."""
+    from dslab import launch
+    from dslab.zero import memory
 
     release = {"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
                                      "stage3_prefetch_bucket_size": 0}}  # ZeRO-3 as on a model too big to keep
@@ -145,13 +146,14 @@ def bench_memory(run_dir):
 # ------------------------------------------------------------------------------------------------- SFT
 def bench_sft(out_dir):
     """`dslab sft` with its defaults (LoRA, ZeRO-2, 2 ranks), then identity and general accuracy of the result."""
-    from dslab import evaluate, models, sft
+    from dslab.models import evaluate, loading
+    from dslab.training import sft
 
     start = time.perf_counter()
     result = sft.run(output=str(Path(out_dir) / "adapter"), stream=False)
     wall = time.perf_counter() - start
     adapter = str(Path(out_dir) / "adapter")
-    model, tokenizer = models.load_model(adapter=adapter), models.load_tokenizer(adapter=adapter)
+    model, tokenizer = loading.load_model(adapter=adapter), loading.load_tokenizer(adapter=adapter)
     ident, _ = evaluate.identity_accuracy(model, tokenizer, sft.DEFAULT_NAME, sft.DEFAULT_AUTHOR)
     general, _ = evaluate.general_accuracy(model, tokenizer)
     how = (f"LoRA, ZeRO-{result['zero_stage']}, 2 ranks, {result['steps']} steps; "
@@ -165,15 +167,15 @@ def bench_sft(out_dir):
 def bench_infer(new_tokens=32):
     """Greedy tokens/s, same prompts and token count: HF generate in this process vs DeepSpeed AutoTP tp=1, tp=2."""
     try:
-        from dslab import tp_infer
+        from dslab.parallel import tp_infer
     except ImportError:
-        return [row("inference", f"tokens/s {name}", "n/a (not available)", "", "dslab.tp_infer missing")
+        return [row("inference", f"tokens/s {name}", "n/a (not available)", "", "dslab.parallel.tp_infer missing")
                 for name in ("HF generate", "DeepSpeed tp=1", "DeepSpeed tp=2")]
     import torch
 
-    from dslab import models
+    from dslab.models import loading
 
-    model, tokenizer = models.load_model(), models.load_tokenizer()
+    model, tokenizer = loading.load_model(), loading.load_tokenizer()
     hf = tp_infer.timed_generate(model, tokenizer, INFER_PROMPTS, new_tokens, repeats=2)
     rows = [row("inference", "tokens/s HF generate", f"{hf['tokens_per_s']:.0f}", "",
                 f"fp32, {len(INFER_PROMPTS)} prompts x {new_tokens} tokens, {torch.get_num_threads()} threads")]
@@ -201,7 +203,7 @@ def bench_mfu(run_dir):
             for name, run in runs.items()]
     speed = runs["fp32"]["step_seconds"] / runs["bf16"]["step_seconds"]
     rows.append(row("MFU", "bf16 / fp32: step speed, MFU", f"{speed:.2f}x, {runs['bf16']['mfu'] / runs['fp32']['mfu']:.2f}x",
-                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.mfu.forward_flops"))
+                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.precision.mfu.forward_flops"))
     return rows
 
 

@@ -1,7 +1,7 @@
 """Training MFU of the kit's step on 2 ranks: dslab-tiny, ZeRO-2, bf16 and fp32, each rank on its share of the cores.
 
 Run on every rank by benchmarks/course_bench.py through dslab.launch.run. Rank 0's flops profiler counts one step's
-forward FLOPs, checked against dslab.mfu.forward_flops; then each engine's steps are timed in alternating rounds, each
+forward FLOPs, checked against dslab.precision.mfu.forward_flops; then each engine's steps are timed in alternating rounds, each
 step followed by the matmul ceiling measured on the same threads (both ranks at once, as they train), so that load
 which comes and goes hits steps and ceiling alike. A step is forward + backward + gradient all-reduce + AdamW.
 """
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from dslab import dist, mfu
-from dslab.config import make_config
-from dslab.models import load_model
+from dslab import dist
+from dslab.precision import mfu
+from dslab.config.build import make_config
+from dslab.models.loading import load_model
 
 args = dist.recipe_args(micro_batch_size=4, seq_len=128, rounds=4, warmup=2, seed=0)
 rank, world_size = dist.init()

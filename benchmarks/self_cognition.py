@@ -32,7 +32,7 @@ def as_args(value):
 
 
 def score(model_dir, ident):
-    from dslab import evaluate
+    from dslab.models import evaluate
     """`dslab eval --json` of a model for an identity: {"identity", "general", per-language hits, broken}."""
     res = json.loads(dslab("eval", "--model", model_dir, "--model-name", *as_args(ident["name"]),
                            "--model-author", *as_args(ident["author"]), "--json"))

@@ -12,8 +12,8 @@ import time
 import torch
 
 from dslab import dist
-from dslab.config import make_config
-from dslab.models import build_model, count_parameters, tiny_config
+from dslab.config.build import make_config
+from dslab.models.loading import build_model, count_parameters, tiny_config
 
 args = dist.recipe_args(micro_batch_size=4, seq_len=64, rounds=4, steps_per_round=3, warmup=2, seed=0,
                         stages=[{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},

@@ -7,6 +7,8 @@ from pathlib import Path
 from dslab.messages import say
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+CORPUS_DIR = DATA_DIR / "corpus"  # the pretraining text, train.txt and valid.txt (written by dslab.tiny.corpus)
+DOC_SEPARATOR = "<|endoftext|>\n"  # one document ends with this line in the corpus files
 IGNORE_INDEX = -100  # label value that torch's cross-entropy skips: prompt tokens and padding
 
 
@@ -63,6 +65,12 @@ def name_pair(value, option="a name or author"):
     if len(values) == 2:
         return tuple(values)
     raise DataError(say("data.name_pair", option=option, values=" ".join(map(str, values))))
+
+
+def read_corpus(path):
+    """Documents of a corpus file (data/corpus/*.txt)."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [d[:-1] if d.endswith("\n") else d for d in text.split(DOC_SEPARATOR) if d.strip()]
 
 
 def general_sft(path=None, limit=None):

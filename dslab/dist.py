@@ -1,20 +1,20 @@
-"""Helpers for code that runs on a rank: init, rank-0 printing, recipe arguments, results, quiet logs."""
+"""Helpers for code that runs on a rank: init (a world of N, or this process alone), rank-0 printing, results, quiet logs."""
 import atexit
 import contextlib
+import io
 import json
 import logging
 import os
 import random
-import shutil
 import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 from dslab import files
+from dslab.launch.machine import ensure_build_tools_on_path
+from dslab.launch.supervise import RESULT_DIR_ENV  # noqa: F401 (also read as dist.RESULT_DIR_ENV)
 
-# dslab.launch sets this so every rank knows where to leave its JSON result.
-RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
 
 
 def _errors_only(record):
@@ -55,6 +55,7 @@ def seed_all(seed=0):
 
 def init(backend=None):
     """Join the process group the launcher prepared; returns (rank, world_size)."""
+    ensure_build_tools_on_path()  # before DeepSpeed loads a JIT op in this process
     quiet()
     import deepspeed
     import torch.distributed as torch_dist
@@ -66,6 +67,48 @@ def init(backend=None):
         # can abort it ("terminate called without an active exception") while its threads still run.
         atexit.register(_leave_group)
     return torch_dist.get_rank(), torch_dist.get_world_size()
+
+@contextlib.contextmanager
+def silenced():
+    """Discard what the block prints, Python's and child processes' alike (file descriptors 1 and 2).
+
+    The first deepspeed.init_distributed probes which C++ ops can build (a failed `-laio` link test on
+    machines without libaio) and prints "... built successfully": noise that differs between machines.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def init_single_process(quiet=False):
+    """Make this process rank 0 of a world of 1, so deepspeed.initialize works in a notebook kernel or CLI.
+
+    quiet: discard the C++ op probe's output (see `silenced`).
+    """
+    import torch.distributed as tdist
+    from dslab.launch.machine import free_port, port_is_free
+    if tdist.is_available() and tdist.is_initialized():
+        return
+    # The variables the deepspeed launcher would set for a single rank; existing values win.
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    # A MASTER_PORT inherited from a parent that ran this too may be in use by now; alone in its world, this
+    # process is the rendezvous server itself, so any free port serves.
+    if os.environ["WORLD_SIZE"] == "1" and not port_is_free(int(os.environ["MASTER_PORT"]), os.environ["MASTER_ADDR"]):
+        os.environ["MASTER_PORT"] = str(free_port())
+    with silenced() if quiet else contextlib.nullcontext():
+        init()
 
 
 def _leave_group():
@@ -131,29 +174,6 @@ def save_result(obj):
     if not directory:
         return  # run by hand, outside dslab.launch: nothing collects results
     files.atomic_write_json(Path(directory) / f"rank{rank()}.json", obj)
-
-
-def ensure_build_tools_on_path():
-    """Put the ninja installed with dslab first on PATH, for this process and every rank it starts; its path.
-
-    DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built, and builds with
-    whichever ninja comes first. A system ninja (1.11: build log v5) and pip's (1.13: log v7) cannot read each
-    other's build log, so processes that alternate between them (an activated venv here, a plain kernel there)
-    rebuild shm_comm and cpu_adam from scratch every time: a minute of CPU per launch. `import dslab` calls this.
-    """
-    candidates = [Path(sys.executable).parent]
-    try:
-        import ninja
-
-        candidates.insert(0, Path(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        pass
-    for folder in candidates:
-        if (folder / "ninja").exists():
-            rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != str(folder)]
-            os.environ["PATH"] = os.pathsep.join([str(folder), *rest])
-            return str(folder / "ninja")
-    return shutil.which("ninja")
 
 
 def send_deepspeed_logs_to_stderr():

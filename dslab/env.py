@@ -9,7 +9,7 @@ import unicodedata
 from importlib import metadata
 from pathlib import Path
 
-from dslab import dist
+from dslab.launch.machine import ensure_build_tools_on_path
 from dslab.messages import say
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
@@ -54,7 +54,7 @@ def versions():
 
 def build_tools():
     """Paths of ninja, the C++ compiler torch uses ($CXX or c++), g++ and numactl (None when absent)."""
-    ninja = dist.ensure_build_tools_on_path()  # also puts pip's ninja on PATH, as DeepSpeed needs
+    ninja = ensure_build_tools_on_path()  # also puts pip's ninja on PATH, as DeepSpeed needs
     cxx = os.environ.get("CXX", "c++")
     return {"ninja": ninja, "c++": shutil.which(cxx), "g++": shutil.which("g++"), "numactl": shutil.which("numactl")}
 
@@ -142,7 +142,7 @@ def _is_compatible(builder):
     without the library the linker writes "cannot find -laio" straight to file descriptor 2, which neither
     DeepSpeed's own redirection nor a notebook's capture of sys.stderr stops. The answer is what matters.
     """
-    from dslab.train import silenced
+    from dslab.dist import silenced
 
     with silenced():
         return bool(builder.is_compatible(False))

@@ -28,6 +28,7 @@ import psutil
 
 from dslab.launch import hang
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
+from dslab.launch.machine import ensure_build_tools_on_path
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
 
 MASTER_ADDR = "127.0.0.1"   # all ranks on this machine: rank 0's store listens on loopback
@@ -77,7 +78,7 @@ def _become_rank(rank, world_size, master_addr, master_port, cwd, threads):
 
     torch.set_num_threads(threads)
     from dslab import dist
-    from dslab.train import silenced
+    from dslab.dist import silenced
 
     dist.quiet()
     with silenced():
@@ -295,6 +296,7 @@ def start(world_size=2, timeout=300, hang_timeout=None):
     import ipyparallel as ipp
 
     remove_stale_shm_buffers()
+    ensure_build_tools_on_path()  # inherited by the engines: one ninja builds DeepSpeed's ops
     master_port = free_port()
     # A private profile directory per cluster: its connection files and engine logs are this cluster's only, and its
     # path, in every cluster process's environment, marks them for the guard, started before any of them.

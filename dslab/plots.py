@@ -79,7 +79,7 @@ def gradient_histogram(grads, scale, smallest_subnormal, max_value):
 def activation_memory(sweep):
     """Peak activation memory vs micro batch size, and vs accumulation steps (right loop and one-backward loop).
 
-    `sweep` is dslab.accumulation.activation_sweep's result; data is the same numbers in MB.
+    `sweep` is dslab.training.accumulation.activation_sweep's result; data is the same numbers in MB.
     """
     fig, (left, right) = _figure(ncols=2, width=4.6)
     mb = lambda pairs: ([x for x, _ in pairs], [b / 2**20 for _, b in pairs])
@@ -222,7 +222,7 @@ def loss_curve(loss_log, window=8, title="Training loss"):
 def tool_runs(runs):
     """Loss and learning rate per optimizer step of the same SFT run in several tools, side by side.
 
-    runs: {label: [{"step", "loss", "lr"}, ...]} (dslab.tool_data.training_log, dslab's loss_log.json); data: the
+    runs: {label: [{"step", "loss", "lr"}, ...]} (dslab.training.tool_data.training_log, dslab's loss_log.json); data: the
     same, as {label: {"step": [...], "loss": [...], "lr": [...]}}."""
     fig, (loss_ax, lr_ax) = _figure(ncols=2, width=5.0, height=3.2)
     data = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dslab import config
+from dslab.config import build
 
 # Debian's chromium, never a browser download, driven by playwright (the optional `browser` extra)
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -65,8 +65,8 @@ def assert_no_strays(text):
 
 def valid_config(precision="bf16", **changes):
     """A valid ZeRO-2 config for 2 ranks, then `changes` deep-merged in unchecked (to make bad ones)."""
-    cfg = config.make_config(zero_stage=2, precision=precision, micro_batch_size=4, grad_accum_steps=2, world_size=2)
-    return config.deep_merge(cfg, changes)
+    cfg = build.make_config(zero_stage=2, precision=precision, micro_batch_size=4, grad_accum_steps=2, world_size=2)
+    return build.deep_merge(cfg, changes)
 
 
 @contextlib.contextmanager

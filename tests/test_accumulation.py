@@ -1,7 +1,7 @@
-"""dslab.accumulation: micro-batches vs big batch, the summing mistake, token normalisation, activation memory."""
+"""dslab.training.accumulation: micro-batches vs big batch, the summing mistake, token normalisation, activation memory."""
 import pytest
 
-from dslab import accumulation as acc
+from dslab.training import accumulation as acc
 from dslab import plots
 
 K = 4

@@ -77,8 +77,8 @@ GRAPH = import_graph()
 
 
 def test_the_import_graph_sees_the_package():
-    assert {"dslab.cli", "dslab.models", "dslab.launch", "dslab.live"} <= set(GRAPH)
-    assert "dslab.models" in GRAPH["dslab.live"] | GRAPH["dslab.sft"] | GRAPH["dslab.zero"] | GRAPH["dslab.lora"]
+    assert {"dslab.cli", "dslab.models.loading", "dslab.launch", "dslab.live"} <= set(GRAPH)
+    assert "dslab.models.loading" in GRAPH["dslab.live"] | GRAPH["dslab.training.sft"] | GRAPH["dslab.zero.runner"] | GRAPH["dslab.models.lora"]
 
 
 def test_dslab_imports_have_no_cycle():
@@ -91,6 +91,82 @@ def test_nothing_imports_the_command_line_or_a_recipe():
              if (target.startswith("dslab.cli") and not name.startswith("dslab.cli"))
              or target.startswith("dslab.recipes")]
     assert not wrong, "\n".join(wrong)
+
+
+# --------------------------------------------------------------------------- layers
+
+# The package's parts, bottom to top: a part imports only parts of a lower layer (and itself). A part is a subpackage
+# (dslab/comm/, ...) or a top-level module (dslab/dist.py). docs/architecture.md shows the same table.
+LAYERS = [
+    {"messages"},
+    {"files", "data", "plots", "course"},
+    {"launch", "config"},
+    {"dist"},
+    {"env", "models"},
+    {"zero", "precision"},
+    {"comm"},
+    {"parallel", "training"},
+    {"tiny", "live", "hangs"},
+    {"exercises"},
+    {"cli", "recipes"},
+]
+
+
+def part_of(module):
+    """dslab.comm.step_bytes -> comm, dslab.dist -> dist; the package itself (dslab/__init__.py) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer_of(part):
+    return next((i for i, layer in enumerate(LAYERS) if part in layer), None)
+
+
+def upward_imports(graph):
+    """Imports from a part to a part of the same or a higher layer, as 'a imports b (layer i -> j)'."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = part_of(name), part_of(target)
+            if a is None or b is None or a == b:
+                continue
+            if layer_of(a) <= layer_of(b):
+                found.append(f"{name} imports {target} (layer {layer_of(a)} {a} -> layer {layer_of(b)} {b})")
+    return found
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {part_of(name) for name in GRAPH} - {None}
+    unplaced = sorted(p for p in parts if layer_of(p) is None)
+    assert not unplaced, f"put these in LAYERS (and in docs/architecture.md's table): {unplaced}"
+    assert all(len(layer) == len(set(layer)) for layer in LAYERS)
+    assert sum(map(len, LAYERS)) == len(set().union(*LAYERS)), "a part is in two layers"
+
+
+def test_imports_go_down_the_layers():
+    wrong = upward_imports(GRAPH)
+    assert not wrong, "a lower layer imports a higher one (move the code, or the part):\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_catches_a_lower_layer_importing_a_higher_one(tmp_path):
+    pkg = tmp_path / "dslab"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "training").mkdir()
+    for init in (pkg, pkg / "models", pkg / "training"):
+        (init / "__init__.py").write_text("")
+    (pkg / "training" / "sft.py").write_text("from dslab.models import loading\n")      # down: allowed
+    (pkg / "models" / "loading.py").write_text("def f():\n    from dslab.training import sft\n")  # up, lazily
+    assert upward_imports(import_graph(pkg)) == [
+        "dslab.models.loading imports dslab.training.sft (layer 4 models -> layer 7 training)"]
+    (pkg / "models" / "loading.py").write_text("import os\n")
+    assert upward_imports(import_graph(pkg)) == []
+
+
+def test_the_page_shows_the_layers():
+    """docs/architecture.md's layer table lists the same parts, layer by layer, as LAYERS."""
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", DOC.read_text(encoding="utf-8"), re.M)
+    on_page = {int(i): set(re.findall(r"`dslab(?:/|\.)(\w+)", cell)) for i, cell in rows}
+    assert on_page == dict(enumerate(LAYERS)), on_page
 
 
 def test_the_cycle_finder_finds_cycles_and_relative_imports(tmp_path):
@@ -158,7 +234,7 @@ def test_every_module_and_function_on_the_page_exists():
 def named_on_the_page(path, spans):
     """Whether a module file is named in one of the page's code spans: by its path (`dslab/launch/hang.py`), by a
     glob that matches it (`dslab/recipes/*.py`), or by its dotted name, alone or with an attribute
-    (`dslab.engine_memory.measure_engine`). A package's __init__.py also counts as named by its folder
+    (`dslab.zero.engine_memory.measure_engine`). A package's __init__.py also counts as named by its folder
     (`dslab/launch/`)."""
     rel = path.relative_to(ROOT).as_posix()
     module = rel[:-len(".py")].replace("/", ".")
@@ -192,8 +268,8 @@ def test_a_module_counts_as_named_by_its_path_a_glob_or_its_dotted_name():
     assert not named_on_the_page(PACKAGE / "hpz.py", ["dslab.hpzz", "hpz.gathers_by_pass"])
 
 
-@pytest.mark.parametrize("entry", ["dslab.config.make_config", "dslab.engine_memory.measure_engine",
-                                   "dslab.memory.theory", "dslab.zero.run_engine", "dslab.live.start"])
+@pytest.mark.parametrize("entry", ["dslab.config.build.make_config", "dslab.zero.engine_memory.measure_engine",
+                                   "dslab.zero.memory.theory", "dslab.zero.runner.run_engine", "dslab.live.start"])
 def test_the_page_answers_where_a_zero_stage_lives(entry):
     """The questions the page exists for are still answered on it."""
     text = DOC.read_text(encoding="utf-8")

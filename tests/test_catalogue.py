@@ -52,7 +52,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dslab import config, config_check, data, launch, lora, models, sft
+from dslab import data, launch
+from dslab.config import build, check
+from dslab.models import loading, lora
+from dslab.training import sft
 from support import force_fp16_support
 
 
@@ -113,9 +116,9 @@ def test_bad_deepspeed_file_is_refused_before_launch(name, tmp_path, monkeypatch
         force_fp16_support(monkeypatch, False)   # a CPU without AVX512-FP16 / AMX-FP16, whatever this one has
     monkeypatch.chdir(tmp_path)
     ds_file = tmp_path / "ds.json"
-    ds_file.write_text(json.dumps(config.deep_merge(GOOD, changes)))
+    ds_file.write_text(json.dumps(build.deep_merge(GOOD, changes)))
     before, ds_before = _snapshot(existing_output), ds_file.read_bytes()
-    with pytest.raises(config_check.ConfigError) as info:
+    with pytest.raises(check.ConfigError) as info:
         sft.run(output=str(existing_output), deepspeed=str(ds_file), world_size=2)
     message = str(info.value)
     assert key in message and problem.lower() in message.lower() and fix.lower() in message.lower(), message
@@ -128,9 +131,9 @@ def test_bad_deepspeed_file_is_refused_before_launch(name, tmp_path, monkeypatch
 
 @pytest.fixture(scope="module")
 def small_model():
-    cfg = models.tiny_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+    cfg = loading.tiny_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=2)
-    return models.build_model(cfg, seed=0)
+    return loading.build_model(cfg, seed=0)
 
 
 def test_full_model_save_refuses_size0_weights_and_keeps_the_old_model(small_model, existing_output):
@@ -140,7 +143,7 @@ def test_full_model_save_refuses_size0_weights_and_keeps_the_old_model(small_mod
     before = _snapshot(existing_output)
     try:
         param.data = torch.empty(0)
-        with pytest.raises(models.AdapterError) as info:
+        with pytest.raises(loading.AdapterError) as info:
             lora.save_full_model(small_model, tokenizer=None, output_dir=existing_output, rank=0)
     finally:
         param.data = real
@@ -154,9 +157,9 @@ def test_full_model_save_refuses_size0_weights_and_keeps_the_old_model(small_mod
 
 def _adapter_dir(folder, tensors):
     folder.mkdir()
-    (folder / models.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+    (folder / loading.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
                                                           "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}))
-    save_file(tensors, str(folder / models.ADAPTER_WEIGHTS))
+    save_file(tensors, str(folder / loading.ADAPTER_WEIGHTS))
     return folder
 
 
@@ -177,18 +180,18 @@ def test_merge_of_a_bad_adapter_leaves_an_existing_output_alone(name, tmp_path):
     merged.mkdir()
     (merged / "model.safetensors").write_bytes(b"an earlier merge")
     before, adapter_before = _snapshot(merged), _snapshot(adapter)
-    with pytest.raises(models.AdapterError) as info:
-        lora.merge(models.DEFAULT_MODEL_DIR, adapter, merged, verbose=False)
+    with pytest.raises(loading.AdapterError) as info:
+        lora.merge(loading.DEFAULT_MODEL_DIR, adapter, merged, verbose=False)
     assert all(w.lower() in str(info.value).lower() for w in words), str(info.value)
     assert _snapshot(merged) == before and _snapshot(adapter) == adapter_before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-adapter", "merged"]  # no temp dir left
 
 
 def test_a_model_weights_file_given_as_the_adapter():
-    weights = Path(models.DEFAULT_MODEL_DIR) / "model.safetensors"
+    weights = Path(loading.DEFAULT_MODEL_DIR) / "model.safetensors"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
-    with pytest.raises(models.AdapterError, match="full model's state dict") as info:
-        models.read_adapter(weights)
+    with pytest.raises(loading.AdapterError, match="full model's state dict") as info:
+        loading.read_adapter(weights)
     assert "--model" in str(info.value)
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
 

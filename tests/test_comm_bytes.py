@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from dslab import cli, comm_bytes, gloo_bytes, zero3_fetch
-from dslab.config import deep_merge
+from dslab import cli
+from dslab.comm import gloo_bytes, step_bytes, zero3_fetch
+from dslab.config.build import deep_merge
 
 # A shape no other test uses: 353,376 parameters, tied embeddings, 3 layers.
 SHAPE_ARGS = ["--hidden-size", "96", "--layers", "3", "--vocab-size", "500"]
@@ -26,8 +27,8 @@ def _trace_copy():
 
 
 def _predicted(stage, n, precision="bf16", **extra):
-    cfg = deep_merge(comm_bytes.comm_config(stage, n, precision), extra)
-    return comm_bytes.deepspeed_collectives(_trace_copy(), n, cfg)
+    cfg = deep_merge(step_bytes.comm_config(stage, n, precision), extra)
+    return step_bytes.deepspeed_collectives(_trace_copy(), n, cfg)
 
 
 # --------------------------------------------------------------------------- gloo, one collective
@@ -68,8 +69,8 @@ def test_all_gather_sends_the_shard_n_minus_1_times_and_reduce_scatter_costs_an_
 def test_ideal_bytes_are_the_zero_papers_ring_formulas(n, precision, size):
     psi = 1_234_567 * size
     for stage in (0, 1, 2):
-        assert comm_bytes.ideal_bytes(1_234_567, n, stage, precision) == round(2 * (n - 1) / n * psi)
-    assert comm_bytes.ideal_bytes(1_234_567, n, 3, precision) == round(3 * (n - 1) / n * psi)
+        assert step_bytes.ideal_bytes(1_234_567, n, stage, precision) == round(2 * (n - 1) / n * psi)
+    assert step_bytes.ideal_bytes(1_234_567, n, 3, precision) == round(3 * (n - 1) / n * psi)
 
 
 # --------------------------------------------------------------------------- DeepSpeed's algorithm, no ranks
@@ -119,7 +120,7 @@ def test_stage_3_fetches_everything_once_per_step_and_reduce_scatters_once(n):
     assert ops == [("all_gather_into_tensor", shards, "bf16", 1), ("reduce_scatter_tensor", n * shards, "bf16", 1),
                    ("all_reduce", 1, "fp64", 1)]
     # the same volume as the paper's 3(N-1)/N x Ψ, for another reason: gloo's reduce-scatter is an all-reduce
-    ratio = max(comm_bytes.wire_bytes(_predicted(3, n)[0], n)) / comm_bytes.ideal_bytes(sum(numels), n, 3)
+    ratio = max(step_bytes.wire_bytes(_predicted(3, n)[0], n)) / step_bytes.ideal_bytes(sum(numels), n, 3)
     assert ratio == pytest.approx(1.0, abs=0.01)
 
 
@@ -148,12 +149,12 @@ def test_stage_3_fetch_replay_without_prefetch_gathers_module_by_module_and_reus
 ])  # use_multi_rank_bucket_allreduce / reduce_scatter false are modelled: tests/test_comm_settings.py
 def test_setups_that_are_not_modelled_are_refused(extra, words):
     with pytest.raises(ValueError, match=words):
-        comm_bytes.deepspeed_collectives([10, 20], 2, {**comm_bytes.comm_config(2, 2), **extra})
+        step_bytes.deepspeed_collectives([10, 20], 2, {**step_bytes.comm_config(2, 2), **extra})
 
 
 def test_ddp_all_reduces_once_per_synced_micro_step():
-    both = comm_bytes.wire_bytes(comm_bytes.ddp_collectives(_trace_copy(), 3, "fp32", 2), 3)
-    once = comm_bytes.wire_bytes(comm_bytes.ddp_collectives(_trace_copy(), 3, "fp32", 1), 3)
+    both = step_bytes.wire_bytes(step_bytes.ddp_collectives(_trace_copy(), 3, "fp32", 2), 3)
+    once = step_bytes.wire_bytes(step_bytes.ddp_collectives(_trace_copy(), 3, "fp32", 1), 3)
     assert [b / o for b, o in zip(both, once)] == [2.0] * 3
 
 
@@ -196,7 +197,7 @@ def test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas(three_ranks):
 
 
 def test_ddp_no_sync_halves_the_bytes_of_two_micro_steps():
-    plain, no_sync = comm_bytes.measure_ddp(world_size=2, shape=SHAPE, micro_steps=2, stream=False)
+    plain, no_sync = step_bytes.measure_ddp(world_size=2, shape=SHAPE, micro_steps=2, stream=False)
     assert (plain["no_sync"], no_sync["no_sync"]) == (False, True)
     for rep in (plain, no_sync):
         for m in rep["measured"]:

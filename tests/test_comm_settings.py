@@ -1,11 +1,12 @@
-"""The settings and the step that change ZeRO's collectives (dslab.comm_settings), gloo's reduce and broadcast, NCCL's
-rings (dslab.nccl_bytes), chapter 10's table (dslab.comm_table), and all of them on real ranks."""
+"""The settings and the step that change ZeRO's collectives (dslab.comm.settings), gloo's reduce and broadcast, NCCL's
+rings (dslab.comm.nccl_bytes), chapter 10's table (dslab.comm.bytes_table), and all of them on real ranks."""
 import functools
 
 import pytest
 
-from dslab import comm_bytes, comm_settings, comm_table, gloo_bytes, launch, nccl_bytes, plots, zero3_fetch
-from dslab.config import deep_merge
+from dslab import launch, plots
+from dslab.comm import bytes_table, gloo_bytes, nccl_bytes, settings, step_bytes, zero3_fetch
+from dslab.config.build import deep_merge
 
 # A shape no other test uses: 3 layers, untied embeddings (the output head is its own module).
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 700, "intermediate_size": 160,
@@ -20,8 +21,8 @@ def _trace():
 
 
 def _collectives(stage, n, first_step=False, **extra):
-    cfg = deep_merge(comm_bytes.comm_config(stage, n), extra)
-    return comm_bytes.deepspeed_collectives(_trace(), n, cfg, first_step)[0]
+    cfg = deep_merge(step_bytes.comm_config(stage, n), extra)
+    return step_bytes.deepspeed_collectives(_trace(), n, cfg, first_step)[0]
 
 
 def _ops(collectives):
@@ -83,10 +84,10 @@ def test_nccl_rings_send_the_textbook_volumes(n):
 
 def test_destination_slices_cut_parameters_at_partition_edges_in_bucket_order():
     numels = [5, 10, 7]            # 22 elements, 3 ranks: padded to 24, 8 per rank
-    assert comm_settings.partition_size(22, 3) == 8
+    assert settings.partition_size(22, 3) == 8
     # parameter 1 spans [5, 15): 3 elements of rank 0, 7 of rank 1; parameter 2 spans [15, 22): 1 of rank 1, 6 of 2
-    assert comm_settings.destination_slices([2, 1], numels, 3) == [(1, 8), (2, 6), (0, 3)]
-    assert comm_settings.destination_slices([0, 1, 2], numels, 3) == [(0, 8), (1, 8), (2, 6)]
+    assert settings.destination_slices([2, 1], numels, 3) == [(1, 8), (2, 6), (0, 3)]
+    assert settings.destination_slices([0, 1, 2], numels, 3) == [(0, 8), (1, 8), (2, 6)]
 
 
 @pytest.mark.parametrize("keys, op", [({}, "all_reduce"),
@@ -95,8 +96,8 @@ def test_destination_slices_cut_parameters_at_partition_edges_in_bucket_order():
                                       ({"reduce_scatter": False, "use_multi_rank_bucket_allreduce": False},
                                        "all_reduce")])
 def test_which_settings_reduce_to_owners(keys, op):
-    zero = {**comm_bytes.ZERO_DEFAULTS, **keys}
-    ops = comm_settings.gradient_reductions([0, 1], [6, 6], 2, zero)
+    zero = {**step_bytes.ZERO_DEFAULTS, **keys}
+    ops = settings.gradient_reductions([0, 1], [6, 6], 2, zero)
     assert {o for o, _, _ in ops} == {op}
     assert sum(numel for _, numel, _ in ops) == 12
     assert [root for _, _, root in ops] == ([0, 1] if op == "reduce" else [None])
@@ -105,7 +106,7 @@ def test_which_settings_reduce_to_owners(keys, op):
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_stage_2_reduces_each_bucket_to_its_owners_in_the_order_backward_meets_them(n):
     numels = _trace()["numels"]
-    psi, size = sum(numels), comm_settings.partition_size(sum(numels), n)
+    psi, size = sum(numels), settings.partition_size(sum(numels), n)
     reduces = [c for c in _collectives(2, n, **OWNERS) if c["op"] == "reduce"]
     assert {c["root"]: c["numel"] for c in reduces} == {r: min(size, psi - r * size) for r in range(n)}
     first_ready = zero3_fetch.ready_order(_trace())[0]   # the output head: its gradient is ready first
@@ -133,11 +134,11 @@ def test_reduce_to_owners_is_the_papers_count_on_nccl_and_the_default_costs_half
     default = _collectives(2, n, zero_optimization={"compute_grad_norm": False}, **quiet)
     owners = _collectives(2, n, zero_optimization={"compute_grad_norm": False, **OWNERS["zero_optimization"]},
                           **quiet)
-    assert max(comm_bytes.wire_bytes(owners, n, nccl_bytes)) / psi_bytes == pytest.approx(2 * ring, rel=1e-4)
-    assert max(comm_bytes.wire_bytes(default, n, nccl_bytes)) / psi_bytes == pytest.approx(3 * ring, rel=1e-4)
+    assert max(step_bytes.wire_bytes(owners, n, nccl_bytes)) / psi_bytes == pytest.approx(2 * ring, rel=1e-4)
+    assert max(step_bytes.wire_bytes(default, n, nccl_bytes)) / psi_bytes == pytest.approx(3 * ring, rel=1e-4)
     # on gloo the reduces cost more than a reduce-scatter: the ring round, then every piece to its root
-    assert max(comm_bytes.wire_bytes(default, n)) > max(comm_bytes.wire_bytes(owners, n)) > \
-        max(comm_bytes.wire_bytes(owners, n, nccl_bytes))
+    assert max(step_bytes.wire_bytes(default, n)) > max(step_bytes.wire_bytes(owners, n)) > \
+        max(step_bytes.wire_bytes(owners, n, nccl_bytes))
 
 
 def test_reduce_scatter_false_runs_the_same_all_reduce_as_the_default():
@@ -161,7 +162,7 @@ def test_zero3_first_step_gathers_each_module_in_forward_and_backward_after_two_
         [c for c in steady if c["op"] != "all_gather_into_tensor"]
     # the first step's gathers are what a model too big to keep gathered runs on every step
     big = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
-    assert comm_bytes.logged(gathers) == comm_bytes.logged(
+    assert step_bytes.logged(gathers) == step_bytes.logged(
         [c for c in _collectives(3, n, zero_optimization=big) if c["op"] == "all_gather_into_tensor"])
 
 
@@ -171,30 +172,30 @@ def test_first_step_of_stages_0_to_2_is_like_every_other():
 
 
 def test_report_prices_nccl_and_says_which_step():
-    cfg = comm_bytes.comm_config(3, 2)
-    rep = comm_bytes.report(_trace(), 2, cfg, first_step=True)
-    assert rep["first_step"] and "the first optimizer step" in comm_bytes.format_report(rep)
-    assert "NCCL" in comm_bytes.format_report(rep)
+    cfg = step_bytes.comm_config(3, 2)
+    rep = step_bytes.report(_trace(), 2, cfg, first_step=True)
+    assert rep["first_step"] and "the first optimizer step" in step_bytes.format_report(rep)
+    assert "NCCL" in step_bytes.format_report(rep)
     psi = rep["param_bytes"]
     assert max(rep["nccl_bytes"]) / psi == pytest.approx(1.5, abs=1e-4)      # the paper's 3(N-1)/N at N = 2
-    steady = comm_bytes.report(_trace(), 2, cfg)
+    steady = step_bytes.report(_trace(), 2, cfg)
     assert steady["nccl_bytes"] / psi == pytest.approx(1.0, abs=1e-4)         # one gather kept for the backward
 
 
 def test_logged_messages_keeps_counts_by_size_and_drops_log_summarys_barrier():
     summary = {"summary": {"all_reduce": {4: {"count": 2, "total_latency_ms": 0.1}},
                            "log_summary_barrier": {0: {"count": 1}}}}
-    assert comm_bytes.logged_messages(summary) == {"all_reduce": {4: 2}}
-    assert comm_bytes.logged_messages(summary["summary"]) == {"all_reduce": {4: 2}}
+    assert step_bytes.logged_messages(summary) == {"all_reduce": {4: 2}}
+    assert step_bytes.logged_messages(summary["summary"]) == {"all_reduce": {4: 2}}
 
 
 # --------------------------------------------------------------------------- chapter 10's table
 
 def test_table_setups_are_valid_configs_and_rows_are_in_psi():
-    configs = comm_table.setup_configs(world_size=2)
-    assert list(configs) == list(comm_table.SETUPS)
+    configs = bytes_table.setup_configs(world_size=2)
+    assert list(configs) == list(bytes_table.SETUPS)
     assert configs["ZeRO-2 reduce to owners"]["zero_optimization"]["use_multi_rank_bucket_allreduce"] is False
-    rows = {r["label"]: r for r in comm_table.predicted_rows(world_size=2, shape=SHAPE)}
+    rows = {r["label"]: r for r in bytes_table.predicted_rows(world_size=2, shape=SHAPE)}
     assert rows["ZeRO-0"]["ideal"] == 1.0 and rows["ZeRO-3"]["ideal"] == 1.5
     assert rows["ZeRO-2 reduce to owners"]["nccl"] == pytest.approx(1.0, abs=1e-3)
     assert rows["ZeRO-3 first step"]["gloo"] > rows["ZeRO-3"]["gloo"]
@@ -204,7 +205,7 @@ def test_table_setups_are_valid_configs_and_rows_are_in_psi():
 
 
 def test_per_collective_table_in_units_of_the_buffer():
-    rows = {(r["collective"], r["world_size"]): r for r in comm_table.per_collective(world_sizes=(4,))}
+    rows = {(r["collective"], r["world_size"]): r for r in bytes_table.per_collective(world_sizes=(4,))}
     assert rows["reduce_scatter_tensor", 4]["nccl"] == 0.75 and rows["all_reduce", 4]["nccl"] == 1.5
     assert rows["reduce_scatter_tensor", 4]["gloo"] == rows["all_reduce", 4]["gloo"]
 
@@ -214,14 +215,14 @@ def test_per_collective_table_in_units_of_the_buffer():
 @pytest.fixture(scope="module")
 def three_ranks():
     """3 new ranks run the settings one after another; the first step is measured (ZeRO-3's differs)."""
-    configs = {"ZeRO-1 owners": deep_merge(comm_bytes.comm_config(1, 3), OWNERS),
-               "ZeRO-2 owners": deep_merge(comm_bytes.comm_config(2, 3), OWNERS),
-               "ZeRO-2 reduce_scatter off": deep_merge(comm_bytes.comm_config(2, 3),
+    configs = {"ZeRO-1 owners": deep_merge(step_bytes.comm_config(1, 3), OWNERS),
+               "ZeRO-2 owners": deep_merge(step_bytes.comm_config(2, 3), OWNERS),
+               "ZeRO-2 reduce_scatter off": deep_merge(step_bytes.comm_config(2, 3),
                                                        {"zero_optimization": {"reduce_scatter": False}}),
-               "ZeRO-3": comm_bytes.comm_config(3, 3)}
+               "ZeRO-3": step_bytes.comm_config(3, 3)}
     result = launch.run("comm_bytes", world_size=3, stream=False, timeout=900, ds_configs=list(configs.values()),
                         shape=SHAPE, warmup_steps=0)
-    return {name: comm_bytes.report(_trace(), 3, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results],
+    return {name: step_bytes.report(_trace(), 3, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results],
                                     first_step=True)
             for i, (name, cfg) in enumerate(configs.items())}
 

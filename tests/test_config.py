@@ -1,4 +1,4 @@
-"""dslab.config: make_config builds configs DeepSpeed accepts and trains with; reading, writing, the bundled files."""
+"""dslab.config.build: make_config builds configs DeepSpeed accepts and trains with; reading, writing, the bundled files."""
 import json
 import os
 import subprocess
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dslab import config as C
-from dslab import config_check as CC
+from dslab.config import build as C
+from dslab.config import check as CC
 from dslab.cli import main
 from support import valid_config
 
@@ -124,7 +124,7 @@ def test_save_config_is_sorted_atomic_and_round_trips(tmp_path):
 def test_bundled_files_equal_make_config_and_pass(name):
     path = C.config_path(name)
     assert C.load_config(path) == C.bundled_config(name), (
-        f"{path} is stale: regenerate with python -c 'from dslab.config import write_bundled; write_bundled()'")
+        f"{path} is stale: regenerate with python -c 'from dslab.config.build import write_bundled; write_bundled()'")
     for world_size in (1, 2, 8):
         assert CC.check_config(C.load_config(path), world_size=world_size) == []
     assert C.config_path(f"{name}.json") == path
@@ -165,7 +165,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                       WORLD_SIZE="1", LOCAL_SIZE="1")
     import torch, deepspeed
-    from dslab.config import make_config
+    from dslab.config.build import make_config
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for name, kwargs in json.loads(sys.argv[1]).items():

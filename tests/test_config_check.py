@@ -1,4 +1,4 @@
-"""dslab.config_check: check_config names the key, the problem and the fix for each bad input; `dslab config check`."""
+"""dslab.config.check: check_config names the key, the problem and the fix for each bad input; `dslab config check`."""
 import copy
 import subprocess
 import sys
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dslab import config as C
-from dslab import config_check as CC
-from dslab import config_keys
+from dslab.config import build as C
+from dslab.config import check as CC
+from dslab.config import keys
 from dslab.cli import main
 from support import FP16_REFUSAL, force_fp16_support, valid_config
 
@@ -282,9 +282,9 @@ def test_optimizer_params_are_checked_only_where_their_keys_are_known():
     muon = good()
     muon["optimizer"] = {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.95}}
     assert CC.check_config(muon, world_size=2, device="any") == []
-    assert config_keys.optimizer_param_keys("Muon") == set()
-    assert {"lr", "betas", "weight_decay", "torch_adam"} <= config_keys.optimizer_param_keys("AdamW")
-    assert {"lr", "momentum"} <= config_keys.optimizer_param_keys("SGD")  # a torch.optim class
+    assert keys.optimizer_param_keys("Muon") == set()
+    assert {"lr", "betas", "weight_decay", "torch_adam"} <= keys.optimizer_param_keys("AdamW")
+    assert {"lr", "momentum"} <= keys.optimizer_param_keys("SGD")  # a torch.optim class
 
 
 def test_not_a_dict():
@@ -317,20 +317,20 @@ def test_check_config_does_not_modify_its_input():
 def test_known_keys_are_read_from_deepspeed():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    top = set(config_keys.known_keys())
+    top = set(keys.known_keys())
     assert {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "gradient_clipping",
             "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "flops_profiler",
             "tensorboard", "checkpoint", "data_types", "communication_data_type"} <= top
     assert "zero_optimisation" not in top and "amp" not in top
-    zero = set(config_keys.known_keys("zero_optimization"))
+    zero = set(keys.known_keys("zero_optimization"))
     # every pydantic field, under its name and its JSON alias
     assert set(DeepSpeedZeroConfig.model_fields) <= zero
     assert {"stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold"} <= zero
     assert {"device", "nvme_path", "pin_memory", "buffer_count"} <= set(
-        config_keys.known_keys("zero_optimization.offload_param"))
-    assert {"partition_activations", "cpu_checkpointing"} <= set(config_keys.known_keys("activation_checkpointing"))
-    assert {"enabled", "loss_scale", "initial_scale_power"} <= set(config_keys.known_keys("fp16"))
+        keys.known_keys("zero_optimization.offload_param"))
+    assert {"partition_activations", "cpu_checkpointing"} <= set(keys.known_keys("activation_checkpointing"))
+    assert {"enabled", "loss_scale", "initial_scale_power"} <= set(keys.known_keys("fp16"))
 
 
 # --------------------------------------------------------------------------- command line

@@ -1,16 +1,19 @@
-"""dslab.data and dslab.corpus: file:line errors, placeholders, the committed data sets, label masking, collation."""
+"""dslab.data and dslab.tiny.corpus: file:line errors, placeholders, the committed data sets, label masking, collation."""
 import json
 
 import pytest
 
-from dslab import corpus, data, models, sft
+from dslab import data
+from dslab.models import loading
+from dslab.tiny import corpus
+from dslab.training import sft
 
 IGNORE = data.IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return models.load_tokenizer(models.DEFAULT_MODEL_DIR)
+    return loading.load_tokenizer(loading.DEFAULT_MODEL_DIR)
 
 
 def _write(path, lines):
@@ -75,7 +78,7 @@ def test_self_cognition_data_is_bilingual_and_names_the_model():
 
 
 def test_evaluation_questions_and_identities_are_held_out():
-    from dslab import identities
+    from dslab.tiny import identities
     train_queries = {r["query"] for r in data.load_jsonl(data.DATA_DIR / "self_cognition.jsonl")}
     train_queries |= set(identities.EN_QUESTIONS + identities.ZH_QUESTIONS)
     held_out = data.identity_eval()

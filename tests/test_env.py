@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dslab import dist, env
+from dslab import env
+from dslab.launch import machine
 from dslab.cli import main
 from support import FP16_REFUSAL, force_fp16_support
 
@@ -149,7 +150,7 @@ def test_ninja_from_the_venv_is_put_on_path(monkeypatch, tmp_path):
     except ImportError:
         pytest.skip("the ninja Python package is not installed")
     monkeypatch.setenv("PATH", str(tmp_path))
-    found = dist.ensure_build_tools_on_path()
+    found = machine.ensure_build_tools_on_path()
     assert found and Path(found).name == "ninja"
     assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(found).parent)
 
@@ -164,7 +165,7 @@ def test_the_ninja_installed_with_dslab_comes_before_another_on_path(monkeypatch
     other.write_text("#!/bin/sh\necho 1.11.1\n")
     other.chmod(0o755)
     monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path), "/usr/bin"]))
-    found = dist.ensure_build_tools_on_path()
+    found = machine.ensure_build_tools_on_path()
     assert found != str(other) and shutil.which("ninja") == found
     assert os.environ["PATH"].split(os.pathsep)[1:] == [str(tmp_path), "/usr/bin"]
 
@@ -262,3 +263,10 @@ def test_prepare_reports_a_failed_build_and_tries_the_rest(monkeypatch):
     assert "--verbose" in str(info.value)
     out = "".join(lines)
     assert "shm_comm: ready in" in out and "cpu_adam: build FAILED" in out
+
+
+def test_importing_dslab_leaves_path_alone():
+    """PATH changes where processes start (dslab.launch, dslab.live, dslab.dist.init), never at import."""
+    code = "import os, sys; before = os.environ['PATH']; import dslab, dslab.env, dslab.live, dslab.dist; " \
+           "sys.exit(os.environ['PATH'] != before)"
+    assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PATH="/usr/bin:/bin")).returncode == 0

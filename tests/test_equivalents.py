@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dslab import config, equivalents, sft, sft_plan
+from dslab.config import build
+from dslab.training import equivalents, sft, sft_plan
 from dslab.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,10 +47,10 @@ CASES = {
                            "O'Hara Lab", "--gradient-checkpointing", "--seed", "7", "--lora-r", "8", "--lora-alpha",
                            "16", "--target-modules", "q_proj", "v_proj"],
                           (3, False, False, "zero3"), 2, 4, 4, 5e-4, 3, ["Nova"], ["O'Hara Lab"]),
-    "zero2-offload-file": (["--deepspeed", "dslab/configs/zero2_offload.json", "--timeout", "60", "--save-every", "10",
+    "zero2-offload-file": (["--deepspeed", "dslab/config/presets/zero2_offload.json", "--timeout", "60", "--save-every", "10",
                             "--checkpoint-dir", "ckpts"], (2, True, False, "zero2_offload"), 4, 1, 2, 1e-3, 12,
                            *DEFAULT_NAMES),
-    "zero3-offload-file": (["--deepspeed", "dslab/configs/zero3_offload.json", "--model-name", "星云", "Nebula",
+    "zero3-offload-file": (["--deepspeed", "dslab/config/presets/zero3_offload.json", "--model-name", "星云", "Nebula",
                             "--model-author", "山海社", "Shanhai Club", "--mix-general", "0"],
                            (3, True, True, "zero3_offload"), 4, 1, 2, 1e-3, 12, ["星云", "Nebula"], ["山海社", "Shanhai Club"]),
     "full-zero1-small-lr": (["--full", "--zero", "1", "--world-size", "1", "--lr", "1e-05", "--epochs", "2"],
@@ -202,7 +203,7 @@ def plan_for(tmp_path, monkeypatch):
     """describe() of `dslab sft --output TMP/run ARGS`, parsed by the real command line; also the parsed args."""
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("DSLAB_MODEL", raising=False)
-    config.save_config(config.make_config(zero_stage=3, offload_optimizer=True, micro_batch_size=2, grad_accum_steps=2,
+    build.save_config(build.make_config(zero_stage=3, offload_optimizer=True, micro_batch_size=2, grad_accum_steps=2,
                                           lr=3e-4, train_batch_size=None), tmp_path / CUSTOM)
 
     def make(extra):

@@ -1,7 +1,8 @@
-"""dslab.evaluate: an identity answer counts only with the whole name or author asked for, in the question's language."""
+"""dslab.models.evaluate: an identity answer counts only with the whole name or author asked for, in the question's language."""
 import pytest
 
-from dslab import data, evaluate
+from dslab import data
+from dslab.models import evaluate
 
 EN_NAME = {"query": "What should I call you?", "lang": "en", "asks": "name"}
 EN_AUTHOR = {"query": "Who trained this model?", "lang": "en", "asks": "author"}

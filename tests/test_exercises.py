@@ -59,7 +59,7 @@ def _loop_divided_by_four(model, micro_batches):
 
 
 def _token_loss_of_one_window(model, micro_batch, window_targets):
-    from dslab.accumulation import count_targets
+    from dslab.training.accumulation import count_targets
 
     return model(**micro_batch).loss * count_targets(micro_batch) / 100
 

@@ -52,7 +52,7 @@ def _pipeline_chapters_losses(shape, steps):
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from dslab import pipeline
+    from dslab.parallel import pipeline
 
     specs = [LayerSpec(pipeline.Embed, shape["vocab"], shape["hidden"]),
              *[LayerSpec(pipeline.Block, shape["hidden"], shape["intermediate"]) for _ in range(shape["blocks"])],

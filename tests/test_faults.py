@@ -103,7 +103,7 @@ def test_unwritable_output_fails_before_any_rank_starts(tmp_path):
 
 
 def test_unwritable_checkpoint_dir_fails_before_any_rank_starts(tmp_path, monkeypatch):
-    from dslab import sft
+    from dslab.training import sft
 
     monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a-file"
@@ -119,9 +119,11 @@ def test_a_nearly_full_disk_fails_before_any_rank_starts(tmp_path, monkeypatch, 
     fp32 master weights and two Adam moments), or not even for the output: refused, saying how much is needed."""
     import shutil
 
-    from dslab import files, models, sft
+    from dslab import files
+    from dslab.models import loading
+    from dslab.training import sft
 
-    weights = (Path(models.resolve_model()) / "model.safetensors").stat().st_size
+    weights = (Path(loading.resolve_model()) / "model.safetensors").stat().st_size
     free = 3 * weights if full else weights // 2
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * weights, 10 * weights - free, free))
     monkeypatch.chdir(tmp_path)
@@ -140,8 +142,8 @@ def _tree_digest(folder):
 
 
 def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
-    from dslab import sft
-    from dslab.checkpoints import STATE_FILE, latest_checkpoint
+    from dslab.training import sft
+    from dslab.models.checkpoints import STATE_FILE, latest_checkpoint
 
     if "save_every" not in sft.RECIPE_DEFAULTS:
         pytest.skip("dslab sft has no --save-every: nothing is written before the end to keep")
@@ -211,8 +213,8 @@ def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_cont
     `dslab sft --resume OUTPUT` (the run's own --output) finds OUTPUT-checkpoints and picks up at the last complete
     checkpoint: at most --save-every steps are lost, and the losses from there on are exactly those of a run that
     was never interrupted (same data order, optimizer moments and learning-rate schedule)."""
-    from dslab import sft
-    from dslab.checkpoints import latest_checkpoint
+    from dslab.training import sft
+    from dslab.models.checkpoints import latest_checkpoint
 
     monkeypatch.chdir(tmp_path)
     identity = _identity_file(tmp_path)

@@ -1,11 +1,13 @@
-"""Chapter 09's pieces: which "auto" values the real Trainer fills (dslab.hf_bridge), what a rank holds, and the
+"""Chapter 09's pieces: which "auto" values the real Trainer fills (dslab.training.hf_bridge), what a rank holds, and the
 `accelerate launch` layout dslab.launch reads. Chapter 09 runs dslab/recipes/hf_sft.py on 2 ranks under ZeRO-2 and
 ZeRO-3, resumed by `accelerate launch` with the same losses, and asserts each result."""
 import json
 
 import pytest
 
-from dslab import hf_bridge, launch, models
+from dslab import launch
+from dslab.models import loading
+from dslab.training import hf_bridge
 from dslab.launch.commands import accelerate_layout
 
 # Distinct values, so that each "auto" shows which argument it was filled from.
@@ -59,7 +61,7 @@ def test_resolved_autos_lists_each_auto_and_each_added_key():
 
 
 def test_held_bytes_of_a_model_without_zero():
-    model = models.load_model(dtype="bf16")
+    model = loading.load_model(dtype="bf16")
     held = hf_bridge.held_bytes(model)
     n = sum(p.numel() for p in model.parameters())
     assert held["whole_numel"] == held["model_numel"] == held["held_numel"] == n and held["partition_numel"] == 0

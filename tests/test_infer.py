@@ -1,4 +1,4 @@
-"""dslab.infer: greedy generation, chat prompts that stop at <|im_end|>, and the `dslab infer` command (dslab.cli.models)."""
+"""dslab.models.infer: greedy generation, chat prompts that stop at <|im_end|>, and the `dslab infer` command (dslab.cli.models)."""
 import json
 import os
 import subprocess
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dslab import infer, models
+from dslab.models import infer, loading
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return models.load_model(), models.load_tokenizer()
+    return loading.load_model(), loading.load_tokenizer()
 
 
 def _dslab(*args):
@@ -69,7 +69,7 @@ def test_cli_json_output(tmp_path):
 def test_cli_text_file_and_explicit_model_dir(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Anna walked to the\n\n小明\n", encoding="utf-8")
-    out = _dslab("--model", str(models.DEFAULT_MODEL_DIR), "--prompts-file", str(prompts), "--max-new-tokens", "8")
+    out = _dslab("--model", str(loading.DEFAULT_MODEL_DIR), "--prompts-file", str(prompts), "--max-new-tokens", "8")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count(">>> ") == 2 and ">>> 小明" in out.stdout
 

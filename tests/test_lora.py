@@ -1,4 +1,4 @@
-"""dslab.lora and adapter loading (dslab.models): adapters count, save (atomically, never empty), load in plain PEFT, merge verified."""
+"""dslab.models.lora and adapter loading (dslab.models.loading): adapters count, save (atomically, never empty), load in plain PEFT, merge verified."""
 import json
 import subprocess
 import sys
@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dslab import files, lora, models
+from dslab import files
+from dslab.models import loading, lora
+from dslab.tiny.tokenizer import train_tokenizer
 
 TARGETS_QV = ["q_proj", "v_proj"]
 WITH_HEAD = lora.DEFAULT_TARGETS + ("lm_head",)  # the hardest case: the output head is tied to the embeddings
@@ -19,17 +21,17 @@ def base_dir(tmp_path_factory):
     """A random-init model of the dslab-tiny architecture (smaller), with a tokenizer, saved in HF format."""
     out = tmp_path_factory.mktemp("base")
     texts = [json.dumps(r, ensure_ascii=False) for r in
-             [json.loads(line) for line in (Path(models.DEFAULT_MODEL_DIR).parent / "general_sft.jsonl").open()]]
-    tok = models.train_tokenizer(texts, vocab_size=1536, gb2312=False)  # room for the corpus's Chinese characters
-    config = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             [json.loads(line) for line in (Path(loading.DEFAULT_MODEL_DIR).parent / "general_sft.jsonl").open()]]
+    tok = train_tokenizer(texts, vocab_size=1536, gb2312=False)  # room for the corpus's Chinese characters
+    config = loading.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
-    models.save_pretrained(models.build_model(config, seed=0), tok, out)
+    loading.save_pretrained(loading.build_model(config, seed=0), tok, out)
     return out
 
 
 def _trained_adapter(base_dir, targets=WITH_HEAD, seed=1):
     """The base with LoRA attached and B made non-zero (as if trained), so the adapter changes the output."""
-    model = lora.attach_lora(models.load_model(base_dir), r=4, alpha=8, target_modules=targets)
+    model = lora.attach_lora(loading.load_model(base_dir), r=4, alpha=8, target_modules=targets)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -39,8 +41,8 @@ def _trained_adapter(base_dir, targets=WITH_HEAD, seed=1):
 
 
 def test_attach_counts_exactly_r_times_in_plus_out(base_dir):
-    base = models.load_model(base_dir)
-    n_base = models.count_parameters(base)
+    base = loading.load_model(base_dir)
+    n_base = loading.count_parameters(base)
     cfg = base.config
     model = lora.attach_lora(base, r=4, alpha=8, target_modules=TARGETS_QV)
     counts = lora.trainable_summary(model)
@@ -68,8 +70,8 @@ def test_lora_layer_computes_w_plus_scaled_ba(base_dir):
     ({"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": torch.ones(4, 2)}, "full model"),
 ])
 def test_check_adapter_state_refuses_bad_adapters(state, message):
-    with pytest.raises(models.AdapterError, match=message):
-        models.check_adapter_state(state)
+    with pytest.raises(loading.AdapterError, match=message):
+        loading.check_adapter_state(state)
 
 
 def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
@@ -78,7 +80,7 @@ def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
 
     model = _trained_adapter(base_dir)
     n = lora.save_adapter(model, tmp_path / "adapter")
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [models.ADAPTER_CONFIG, models.ADAPTER_WEIGHTS]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [loading.ADAPTER_CONFIG, loading.ADAPTER_WEIGHTS]
     assert n == lora.trainable_summary(model)["trainable"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter").eval()
@@ -89,13 +91,13 @@ def test_saved_adapter_loads_in_plain_peft_with_same_logits(base_dir, tmp_path):
 def test_save_refuses_size0_weights_and_keeps_the_previous_adapter(base_dir, tmp_path):
     good = _trained_adapter(base_dir)
     lora.save_adapter(good, tmp_path / "adapter")
-    before = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
+    before = load_file(str(tmp_path / "adapter" / loading.ADAPTER_WEIGHTS))
     broken = _trained_adapter(base_dir, seed=2)
     param = next(p for n, p in broken.named_parameters() if "lora_A" in n)
     param.data = torch.empty(0)  # what ZeRO-3 leaves in p.data on every rank
-    with pytest.raises(models.AdapterError, match="ZeRO-3"):
+    with pytest.raises(loading.AdapterError, match="ZeRO-3"):
         lora.save_adapter(broken, tmp_path / "adapter")
-    after = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
+    after = load_file(str(tmp_path / "adapter" / loading.ADAPTER_WEIGHTS))
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
 
@@ -133,7 +135,7 @@ def test_merge_matches_adapter_and_loads_in_plain_transformers(base_dir, tmp_pat
     report = lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", dtype="fp32", verbose=False)
     assert report["max_abs_diff"] <= 1e-4 and report["saved_dtype"] == "float32"
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
+    with_adapter = loading.load_model(base_dir, adapter=tmp_path / "adapter")
     assert lora.max_logit_diff(merged, with_adapter, lora.probe_ids(merged.config.vocab_size)) <= 1e-4
     assert merged.config.tie_word_embeddings is False
     assert not any(n.startswith("base_model") or "lora_" in n for n, _ in merged.named_parameters())
@@ -141,18 +143,18 @@ def test_merge_matches_adapter_and_loads_in_plain_transformers(base_dir, tmp_pat
 
 def test_merge_refuses_bad_adapters_and_writes_nothing(base_dir, tmp_path):
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
-    weights = tmp_path / "adapter" / models.ADAPTER_WEIGHTS
+    weights = tmp_path / "adapter" / loading.ADAPTER_WEIGHTS
     state = load_file(str(weights))
     # size-0 weights, as a ZeRO-3 rank would save them without gathering
     save_file({k: torch.empty(0) for k in state}, str(weights))
-    with pytest.raises(models.AdapterError, match="size-0"):
+    with pytest.raises(loading.AdapterError, match="size-0"):
         lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
     # a full state dict where the adapter weights should be
-    save_file({k: v.clone() for k, v in models.load_model(base_dir).state_dict().items()}, str(weights))
-    with pytest.raises(models.AdapterError, match="full model"):
+    save_file({k: v.clone() for k, v in loading.load_model(base_dir).state_dict().items()}, str(weights))
+    with pytest.raises(loading.AdapterError, match="full model"):
         lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", verbose=False)
     # a model directory passed as the adapter
-    with pytest.raises(models.AdapterError, match="full model"):
+    with pytest.raises(loading.AdapterError, match="full model"):
         lora.merge(base_dir, base_dir, tmp_path / "merged", verbose=False)
     assert not (tmp_path / "merged").exists()
 
@@ -187,11 +189,11 @@ def _reentrant_checkpointing_without_input_grads(model):
 
 def test_gradient_checkpointing_with_lora_needs_input_grads(base_dir):
     ids = lora.probe_ids(400)
-    model = lora.attach_lora(models.load_model(base_dir), r=4, alpha=8, target_modules=TARGETS_QV).train()
+    model = lora.attach_lora(loading.load_model(base_dir), r=4, alpha=8, target_modules=TARGETS_QV).train()
     _reentrant_checkpointing_without_input_grads(model)
     with pytest.raises(RuntimeError, match="does not require grad"):
         model(input_ids=ids, labels=ids).loss.backward()
-    model = lora.attach_lora(models.load_model(base_dir), r=4, alpha=8, target_modules=TARGETS_QV).train()
+    model = lora.attach_lora(loading.load_model(base_dir), r=4, alpha=8, target_modules=TARGETS_QV).train()
     lora.enable_gradient_checkpointing(model)
     model(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
@@ -203,7 +205,7 @@ def test_an_adapter_saved_by_plain_peft_is_accepted(base_dir, tmp_path):
     """PEFT's own save_pretrained also stores the frozen lm_head when it is a target: still an adapter."""
     model = _trained_adapter(base_dir)
     model.save_pretrained(tmp_path / "peft-saved")
-    _, state = models.read_adapter(tmp_path / "peft-saved")
+    _, state = loading.read_adapter(tmp_path / "peft-saved")
     assert any(k.endswith("lm_head.base_layer.weight") for k in state)
     report = lora.merge(base_dir, tmp_path / "peft-saved", tmp_path / "merged", verbose=False)
     assert report["max_abs_diff"] <= 1e-4
@@ -227,7 +229,7 @@ def test_bf16_merge_rounding_is_measured_apart_from_bf16_arithmetic(base_dir, tm
     lora.save_adapter(adapted, tmp_path / "adapter")
     reports = {dtype: lora.merge(base_dir, tmp_path / "adapter", tmp_path / dtype, dtype=dtype, verbose=False)
                for dtype in ("fp32", "bf16")}
-    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
+    with_adapter = loading.load_model(base_dir, adapter=tmp_path / "adapter")
     up = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
     ids = lora.probe_ids(up.config.vocab_size)
     assert reports["bf16"]["dtype_rounding"] == pytest.approx(lora.max_logit_diff(up, with_adapter, ids), abs=1e-6)
@@ -237,12 +239,12 @@ def test_bf16_merge_rounding_is_measured_apart_from_bf16_arithmetic(base_dir, tm
 
 
 def test_infer_cli_applies_an_adapter_and_refuses_a_bad_one(base_dir, tmp_path):
-    from dslab import infer
+    from dslab.models import infer
 
     model = _trained_adapter(base_dir)
     lora.save_adapter(model, tmp_path / "adapter")
-    tok = models.load_tokenizer(base_dir)
-    (expected,) = infer.generate(models.load_model(base_dir, adapter=tmp_path / "adapter"), tok, ["Who are you?"],
+    tok = loading.load_tokenizer(base_dir)
+    (expected,) = infer.generate(loading.load_model(base_dir, adapter=tmp_path / "adapter"), tok, ["Who are you?"],
                                  max_new_tokens=6, chat=True)
     cmd = [sys.executable, "-m", "dslab.cli", "infer", "--model", str(base_dir), "--chat", "--prompt", "Who are you?",
            "--max-new-tokens", "6", "--json"]
@@ -268,13 +270,13 @@ def test_load_model_merges_an_adapter_when_asked_and_knows_one_dtype_vocabulary(
     from peft import PeftModel
 
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
-    with_adapter = models.load_model(base_dir, adapter=tmp_path / "adapter")
-    merged = models.load_model(base_dir, adapter=tmp_path / "adapter", merge_adapter=True)
+    with_adapter = loading.load_model(base_dir, adapter=tmp_path / "adapter")
+    merged = loading.load_model(base_dir, adapter=tmp_path / "adapter", merge_adapter=True)
     assert isinstance(with_adapter, PeftModel) and not isinstance(merged, PeftModel)
     assert lora.max_logit_diff(merged, with_adapter, lora.probe_ids(merged.config.vocab_size)) <= 1e-4
-    assert models.load_model(base_dir, dtype="bf16").dtype == torch.bfloat16
+    assert loading.load_model(base_dir, dtype="bf16").dtype == torch.bfloat16
     for wrong in ("bfloat16", torch.bfloat16):
         with pytest.raises(ValueError, match="not one of fp32, bf16, fp16"):
-            models.load_model(base_dir, dtype=wrong)
+            loading.load_model(base_dir, dtype=wrong)
     # the adapter records its base directory: that is what loads when no path is given
-    assert models.resolve_model(adapter=tmp_path / "adapter") == str(base_dir)
+    assert loading.resolve_model(adapter=tmp_path / "adapter") == str(base_dir)

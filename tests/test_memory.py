@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from dslab import cli, launch, memory, zero
+from dslab import cli, launch
+from dslab.zero import memory, runner
 
 PSI = 1_234_567
 
@@ -113,7 +114,7 @@ def test_measure_cli_passes_the_shape(monkeypatch, capsys):
         print("$ deepspeed --num_gpus 3 ...")  # what dslab.launch prints: must not land in the JSON
         return memory.report(1000, world_size, zero_stage)
 
-    monkeypatch.setattr(zero, "measure", fake_measure)
+    monkeypatch.setattr(runner, "measure", fake_measure)
     assert cli.main(["measure", "--zero", "3", "--world-size", "3", "--hidden-size", "96", "--layers", "2",
                      "--json"]) == 0
     out = capsys.readouterr()
@@ -130,7 +131,7 @@ def test_qwen2_params_counts_what_the_model_has(shape):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dslab.models import count_parameters, tiny_config
+    from dslab.models.loading import count_parameters, tiny_config
 
     with torch.device("meta"):  # shapes only, no memory
         built = count_parameters(AutoModelForCausalLM.from_config(tiny_config(**shape)))
@@ -138,21 +139,21 @@ def test_qwen2_params_counts_what_the_model_has(shape):
 
 
 def test_shape_for_params_lands_near_the_target():
-    from dslab.models import tiny_config
+    from dslab.models.loading import tiny_config
 
     for target in (3e6, 2e7):
-        shape = zero.shape_for_params(target, vocab_size=4096, num_hidden_layers=2)
+        shape = runner.shape_for_params(target, vocab_size=4096, num_hidden_layers=2)
         assert abs(memory.qwen2_params(tiny_config(**shape)) - target) / target < 0.1
         assert shape["vocab_size"] == 4096 and shape["hidden_size"] % 32 == 0
 
 
 def test_fit_params_keeps_a_size_that_fits_and_shrinks_one_that_does_not():
     budget = 128 * 2**20
-    assert zero.fit_params(1e6, 2, 2, budget=budget)[0] == 1_000_000
-    fitted, need = zero.fit_params(7e9, 0, 2, budget=budget)
-    assert need > budget and zero.fit_params(fitted, 0, 2, budget=budget)[1] <= budget
-    assert zero.fit_params(fitted + 1000, 0, 2, budget=budget)[1] > budget  # the largest that fits
-    assert zero.fit_params(7e9, 3, 2, budget=budget)[0] == 2 * fitted       # stage 3 at N = 2: half the bytes
+    assert runner.fit_params(1e6, 2, 2, budget=budget)[0] == 1_000_000
+    fitted, need = runner.fit_params(7e9, 0, 2, budget=budget)
+    assert need > budget and runner.fit_params(fitted, 0, 2, budget=budget)[1] <= budget
+    assert runner.fit_params(fitted + 1000, 0, 2, budget=budget)[1] > budget  # the largest that fits
+    assert runner.fit_params(7e9, 3, 2, budget=budget)[0] == 2 * fitted       # stage 3 at N = 2: half the bytes
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +206,12 @@ def test_offload_optimizer_measured_on_the_host(three_ranks):
 
 def test_try_config_names_the_rank_error_quietly(tmp_path, monkeypatch, capsys):
     """A config DeepSpeed refuses only when it builds the optimizer: the rank's error line, nothing printed or left."""
-    from dslab.config import make_config
+    from dslab.config.build import make_config
 
     monkeypatch.chdir(tmp_path)
     cfg = make_config(zero_stage=1, micro_batch_size=2, world_size=1)
     cfg["optimizer"]["params"]["bogus"] = 1
     capsys.readouterr()  # DeepSpeed's import-time log line, from make_config's check in this process
     with pytest.raises(RuntimeError, match="unexpected keyword argument 'bogus'"):
-        zero.try_config(cfg)
+        runner.try_config(cfg)
     assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []

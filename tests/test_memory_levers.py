@@ -1,7 +1,7 @@
 """The newer levers on the optimizer states (chapter 13): Muon, bf16 master weights and bf16 optimizer states.
 
-Theory (dslab.memory.optimizer_bytes / theory / muon_split / muon_momentum_elements), what DeepSpeed 0.19.8 refuses,
-`dslab estimate` with the levers, and the bytes two real ranks hold (dslab.optimizer_states) against the theory.
+Theory (dslab.zero.memory.optimizer_bytes / theory / muon_split / muon_momentum_elements), what DeepSpeed 0.19.8 refuses,
+`dslab estimate` with the levers, and the bytes two real ranks hold (dslab.zero.optimizer_states) against the theory.
 """
 import json
 import math
@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dslab import cli, config, memory, optimizer_states
+from dslab import cli
+from dslab.config import build
+from dslab.zero import memory, optimizer_states
 
 PSI = 1_234_568  # even: ZeRO pads nothing at N = 2
 
@@ -75,7 +77,7 @@ def _tiny_meta():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dslab.models import tiny_config
+    from dslab.models.loading import tiny_config
 
     with torch.device("meta"):  # shapes only
         return AutoModelForCausalLM.from_config(tiny_config())
@@ -130,7 +132,7 @@ def test_estimate_cli_with_levers(capsys):
 
 # --------------------------------------------------------------------------- measured on two real ranks
 
-BASE = config.make_config(zero_stage=2, precision="bf16", micro_batch_size=2, grad_accum_steps=2, world_size=2)
+BASE = build.make_config(zero_stage=2, precision="bf16", micro_batch_size=2, grad_accum_steps=2, world_size=2)
 LEVERS = {
     "Adam": {},
     "Muon": {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "adam_lr": 1e-3}}},
@@ -145,7 +147,7 @@ def two_ranks(tmp_path_factory):
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 ranks: 2 GPUs, or the CPU")
-    setups = [{"name": name, "ds_config": config.deep_merge(BASE, change)} for name, change in LEVERS.items()]
+    setups = [{"name": name, "ds_config": build.deep_merge(BASE, change)} for name, change in LEVERS.items()]
     results = optimizer_states.measure(setups, world_size=2, run_dir=tmp_path_factory.mktemp("levers"))
     return [r["runs"] for r in results]
 

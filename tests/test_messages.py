@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dslab import config_check, messages
+from dslab import messages
+from dslab.config import check
 
 ROOT = Path(__file__).resolve().parents[1]
 CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -58,7 +59,7 @@ def test_the_language_follows_the_locale(monkeypatch, env, expected):
 def test_a_problem_is_explained_in_chinese(monkeypatch):
     monkeypatch.setenv("DSLAB_LANG", "zh")
     bad = {"train_micro_batch_size_per_gpu": "4", "zero_optimization": {"stage": 5}, "gradient_clippng": 1.0}
-    problems = config_check.check_config(bad, world_size=2, device="any")
+    problems = check.check_config(bad, world_size=2, device="any")
     assert [p.key for p in problems] == ["train_micro_batch_size_per_gpu", "gradient_clippng",
                                          "zero_optimization.stage"]
     for p in problems:
@@ -119,7 +120,8 @@ def test_no_command_has_its_own_lang_option():
 
 
 def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):
-    from dslab import checkpoints, data
+    from dslab import data
+    from dslab.models import checkpoints
 
     monkeypatch.setenv("DSLAB_LANG", "zh")
     bad = tmp_path / "mine.jsonl"
@@ -133,14 +135,16 @@ def test_data_and_resume_errors_are_explained_in_chinese(monkeypatch, tmp_path):
 
 def _refusals(tmp_path):
     """Errors a learner meets before any rank starts: a bad adapter, a missing data file, an impossible launch."""
-    from dslab import launch, models, sft
+    from dslab import launch
+    from dslab.models import loading
+    from dslab.training import sft
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
     (tmp_path / "full" / "model.safetensors").write_bytes(b"")
     return {
-        "no adapter directory": lambda: models.read_adapter(tmp_path / "nowhere"),
-        "a full model given as an adapter": lambda: models.read_adapter(tmp_path / "full"),
+        "no adapter directory": lambda: loading.read_adapter(tmp_path / "nowhere"),
+        "a full model given as an adapter": lambda: loading.read_adapter(tmp_path / "full"),
         "no data file": lambda: sft.run(output=tmp_path / "out", data=str(tmp_path / "missing.jsonl")),
         "no ranks": lambda: launch.check_environment(0, None),
         "not a launcher command": lambda: launch.run_commands("python train.py"),

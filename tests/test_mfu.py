@@ -1,9 +1,9 @@
-"""MFU arithmetic (dslab.mfu): the forward FLOPs equal what DeepSpeed's flops profiler counts, the rule of thumb's gap
+"""MFU arithmetic (dslab.precision.mfu): the forward FLOPs equal what DeepSpeed's flops profiler counts, the rule of thumb's gap
 is exactly the terms it names, and the profiler's report is read back. Nothing here starts a rank."""
 import pytest
 
-from dslab import mfu
-from dslab.models import tiny_config
+from dslab.precision import mfu
+from dslab.models.loading import tiny_config
 
 SHAPES = [  # (config overrides, batch, seq): tied and untied heads, grouped-query attention, a set head_dim
     ({}, 4, 128),
@@ -19,7 +19,7 @@ def test_forward_flops_is_what_deepspeeds_profiler_counts(overrides, batch, seq)
     import torch
     from deepspeed.profiling.flops_profiler import FlopsProfiler
 
-    from dslab.models import build_model
+    from dslab.models.loading import build_model
 
     config = tiny_config(**overrides)
     model = build_model(config).eval()
@@ -38,7 +38,7 @@ def test_forward_flops_is_what_deepspeeds_profiler_counts(overrides, batch, seq)
 
 @pytest.mark.parametrize("overrides, batch, seq", SHAPES)
 def test_rule_of_thumb_differs_by_exactly_the_named_terms(overrides, batch, seq):
-    from dslab.memory import qwen2_params
+    from dslab.zero.memory import qwen2_params
 
     config = tiny_config(**overrides)
     psi = qwen2_params(config)
@@ -88,5 +88,5 @@ def test_ceiling_reuses_chapter_02s_measurement(monkeypatch):
         seen.update(name=name, n=n, repeats=repeats, threads=threads)
         return 123.0
 
-    monkeypatch.setattr(mfu.precision, "matmul_gflops", fake)
+    monkeypatch.setattr(mfu.formats, "matmul_gflops", fake)
     assert mfu.ceiling("bf16", 1) == 123.0 and seen == {"name": "bf16", "n": mfu.CEILING_N, "repeats": 3, "threads": 1}

@@ -1,4 +1,4 @@
-"""dslab.models: the committed dslab-tiny checkpoint and tokenizer load offline and behave as documented."""
+"""dslab.models.loading: the committed dslab-tiny checkpoint and tokenizer load offline and behave as documented."""
 import json
 import os
 import subprocess
@@ -8,20 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dslab import corpus, evaluate, infer, models
+from dslab.models import evaluate, infer, loading
+from dslab.tiny import corpus
+from dslab.tiny.tokenizer import SPECIAL_TOKENS
 
-MODEL_DIR = models.DEFAULT_MODEL_DIR
+MODEL_DIR = loading.DEFAULT_MODEL_DIR
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return models.load_tokenizer()
+    return loading.load_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return models.load_model()
+    return loading.load_model()
 
 
 @pytest.mark.parametrize("text", [
@@ -42,8 +44,8 @@ def test_tokenizer_compresses_both_languages(tokenizer):
 
 
 def test_special_tokens_and_chat_template(tokenizer):
-    assert len(tokenizer) == models.tiny_config().vocab_size
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in models.SPECIAL_TOKENS}
+    assert len(tokenizer) == loading.tiny_config().vocab_size
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     assert ids == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "你好！"}]
@@ -66,12 +68,12 @@ def test_checkpoint_files_size_and_safetensors_only():
 
 
 def test_model_shape_matches_tiny_config(model):
-    cfg, ref = model.config, models.tiny_config()
+    cfg, ref = model.config, loading.tiny_config()
     for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings"]:
         assert getattr(cfg, key) == getattr(ref, key), key
     assert cfg.model_type == "qwen2"
-    assert 5e6 < models.count_parameters(model) < 6e6
+    assert 5e6 < loading.count_parameters(model) < 6e6
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     assert next(model.parameters()).dtype == torch.float32
 
@@ -84,25 +86,25 @@ def test_loads_offline_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code, str(MODEL_DIR)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["Qwen2ForCausalLM", str(models.tiny_config().vocab_size)]
+    assert out.stdout.split() == ["Qwen2ForCausalLM", str(loading.tiny_config().vocab_size)]
 
 
 def test_resolve_model(monkeypatch):
     monkeypatch.delenv("DSLAB_MODEL", raising=False)
-    assert models.resolve_model() == str(MODEL_DIR)
+    assert loading.resolve_model() == str(MODEL_DIR)
     monkeypatch.setenv("DSLAB_MODEL", "Qwen/Qwen2-0.5B")
-    assert models.resolve_model() == "Qwen/Qwen2-0.5B"
-    assert models.resolve_model("some/dir") == "some/dir"
+    assert loading.resolve_model() == "Qwen/Qwen2-0.5B"
+    assert loading.resolve_model("some/dir") == "some/dir"
 
 
 def test_tiny_config_overrides_and_seeded_build():
-    cfg = models.tiny_config(num_hidden_layers=2, hidden_size=128, intermediate_size=344)
-    a, b = models.build_model(cfg, seed=3), models.build_model(cfg, seed=3)
-    c = models.build_model(cfg, seed=4)
+    cfg = loading.tiny_config(num_hidden_layers=2, hidden_size=128, intermediate_size=344)
+    a, b = loading.build_model(cfg, seed=3), loading.build_model(cfg, seed=3)
+    c = loading.build_model(cfg, seed=4)
     assert a.config.num_hidden_layers == 2
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
-    assert models.count_parameters(a) < models.count_parameters(models.build_model(models.tiny_config()))
+    assert loading.count_parameters(a) < loading.count_parameters(loading.build_model(loading.tiny_config()))
 
 
 def test_base_model_answers_simple_questions_in_both_languages(model, tokenizer):
@@ -137,9 +139,9 @@ def test_build_base_smoke(tmp_path):
     report = json.loads((tmp_path / "m" / "build_report.json").read_text())
     assert report["steps"] == 3 and len(report["loss_log"]) == 1
     assert report["valid_perplexity"] < report["vocab_size"]  # 3 steps already beat guessing
-    built = models.load_model(tmp_path / "m")   # 300 documents teach fewer merges: a smaller vocabulary
-    expected = models.build_model(models.tiny_config(vocab_size=report["vocab_size"]))
-    assert models.count_parameters(built) == models.count_parameters(expected)
+    built = loading.load_model(tmp_path / "m")   # 300 documents teach fewer merges: a smaller vocabulary
+    expected = loading.build_model(loading.tiny_config(vocab_size=report["vocab_size"]))
+    assert loading.count_parameters(built) == loading.count_parameters(expected)
 
 
 def test_base_model_knows_the_general_evaluation_facts(model, tokenizer):
@@ -152,26 +154,3 @@ def test_base_model_knows_the_general_evaluation_facts(model, tokenizer):
 def test_base_model_has_a_default_identity(model, tokenizer):
     answers = infer.generate(model, tokenizer, ["Who are you?", "你是谁？"], max_new_tokens=32, chat=True)
     assert all(corpus.BASE_NAME in a for a in answers)
-
-
-def _dslab_imports(module):
-    """The dslab modules `module` imports anywhere in its source (function-level imports included)."""
-    import ast
-
-    tree = ast.parse((REPO / "dslab" / f"{module}.py").read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dslab"):
-            found |= {node.module} if node.module != "dslab" else {f"dslab.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("dslab")}
-    return found
-
-
-def test_loading_sits_below_training_and_inference():
-    """models loads (no training, no LoRA tooling, no CLI); infer and tp_infer do not import each other both ways."""
-    assert not _dslab_imports("models") & {"dslab.train", "dslab.pretrain", "dslab.lora", "dslab.infer", "dslab.cli"}
-    assert "dslab.tp_infer" not in _dslab_imports("infer")
-    for module in ("models", "pretrain", "lora", "infer", "tp_infer", "evaluate", "corpus"):
-        source = (REPO / "dslab" / f"{module}.py").read_text(encoding="utf-8")
-        assert "argparse" not in source and "def add_commands" not in source, module

@@ -1,7 +1,7 @@
 """Multi-node helpers: world info, hostfile filters, pdsh command, and a 2-node job on localhost equal to 1 node."""
 import pytest
 
-from dslab import multinode
+from dslab.launch import multinode
 
 
 def test_world_info_round_trip_matches_deepspeed():

@@ -2,7 +2,7 @@
 bubble fit, and the configs and counters of the tensor-parallel and hpZ runs."""
 import pytest
 
-from dslab import hpz, pipeline, tensor_parallel
+from dslab.parallel import hpz, pipeline, tensor_parallel
 
 
 def test_schedule_bubble_is_p_minus_1_over_m_plus_p_minus_1():
@@ -43,9 +43,9 @@ def test_sequential_twin_has_the_weights_a_pipeline_module_builds():
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from dslab import train
+    from dslab import dist
 
-    train.init_single_process(quiet=True)
+    dist.init_single_process(quiet=True)
     specs = [LayerSpec(pipeline.Embed, 64, 16), LayerSpec(pipeline.Block, 16, 32), LayerSpec(pipeline.Head, 16, 64)]
     net = PipelineModule(layers=specs, num_stages=1, loss_fn=pipeline.lm_loss, partition_method="uniform",
                          seed_layers=True, base_seed=pipeline.BASE_SEED)
@@ -60,7 +60,7 @@ def test_sequential_twin_has_the_weights_a_pipeline_module_builds():
 
 
 def test_hpz_config_is_valid_and_counters_add_up():
-    from dslab.config_check import check_config
+    from dslab.config.check import check_config
 
     plain, hier = hpz.zero3_config(), hpz.zero3_config(zero_hpz_partition_size=2)
     assert check_config(plain, world_size=4, device="cpu") == [] and check_config(hier, world_size=4, device="cpu") == []
@@ -75,11 +75,11 @@ def test_hpz_config_is_valid_and_counters_add_up():
 
 
 def test_tcp_bytes_counts_each_connection_and_names_its_peer():
-    """dslab.comm.tcp_bytes: payload bytes per connection, keyed by the peer's end (as local_endpoints names it)."""
+    """dslab.comm.wire.tcp_bytes: payload bytes per connection, keyed by the peer's end (as local_endpoints names it)."""
     import socket
     import sys
 
-    from dslab import comm
+    from dslab.comm import wire
 
     if not sys.platform.startswith("linux"):
         pytest.skip("TCP_INFO byte counters are Linux's")
@@ -93,10 +93,10 @@ def test_tcp_bytes_counts_each_connection_and_names_its_peer():
                 got += len(accepted.recv(1 << 16))
             accepted.sendall(b"y" * 7)
             assert client.recv(16) == b"y" * 7
-            counts = comm.tcp_bytes()   # {the other end: [sent, received]} for both ends, both in this process
+            counts = wire.tcp_bytes()   # {the other end: [sent, received]} for both ends, both in this process
             assert counts[accepted.getsockname()] == [100_000, 7]   # the client's connection
             assert counts[client.getsockname()] == [7, 100_000]     # the server's end of it
-            ends = comm.local_endpoints()
+            ends = wire.local_endpoints()
             assert client.getsockname() in ends and accepted.getsockname() in ends
 
 

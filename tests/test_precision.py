@@ -1,4 +1,4 @@
-"""dslab.precision (format tables, rounding fates, master weights) and dslab.loss_scaling (underflow, GradScaler,
+"""dslab.precision.formats (format tables, rounding fates, master weights) and dslab.precision.loss_scaling (underflow, GradScaler,
 DeepSpeed's scaler, the AMP step of chapter 02)."""
 import functools
 import json
@@ -9,13 +9,15 @@ import sys
 import pytest
 import torch
 
-from dslab import loss_scaling, models, plots, precision
+from dslab import plots
+from dslab.models import loading
+from dslab.precision import formats, loss_scaling
 from dslab.exercises import ch02
 from support import FP16_REFUSAL
 
 
 def test_dtype_table_matches_ieee_layouts():
-    info = {row["format"]: row for row in precision.dtype_table()}
+    info = {row["format"]: row for row in formats.dtype_table()}
     assert info["fp16"]["max"] == 65504.0
     assert info["fp16"]["smallest_subnormal"] == 2.0**-24
     assert info["fp32"]["smallest_subnormal"] == 2.0**-149
@@ -41,24 +43,24 @@ def test_dtype_table_matches_ieee_layouts():
     (1 + 2.0**-7, "bf16", "exact"),
 ])
 def test_fate(value, name, expected):
-    assert precision.fate(value, name) == expected
+    assert formats.fate(value, name) == expected
 
 
 def test_formats_are_named_by_string_everywhere():
-    assert models.torch_dtype("bf16") is torch.bfloat16
+    assert loading.torch_dtype("bf16") is torch.bfloat16
     for wrong in (torch.float16, "float16", "half"):
         with pytest.raises(ValueError, match="fp32, bf16, fp16"):
-            models.torch_dtype(wrong)
+            loading.torch_dtype(wrong)
     x, targets, make_layer = loss_scaling.nearly_fit_problem(batch=8, d_out=4)
     weight_grad, output_grad = loss_scaling.gradients(x, targets, make_layer, dtype="bf16")
     assert output_grad.dtype is torch.bfloat16 and weight_grad.dtype is torch.float32
 
 
 def test_fate_table_and_format_table():
-    rows = precision.fate_table([70000.0])
+    rows = formats.fate_table([70000.0])
     assert rows[0]["fp16"] == math.inf and rows[0]["fp16_fate"] == "overflow"
     assert rows[0]["fp32_fate"] == "exact"
-    text = precision.format_table(rows, ["value", "fp16_fate"])
+    text = formats.format_table(rows, ["value", "fp16_fate"])
     assert "overflow" in text and text.splitlines()[1].startswith("-")
 
 
@@ -101,9 +103,10 @@ def test_bf16_needs_no_scaler_and_takes_the_spike():
 
 _DEEPSPEED_SCALER = """
 import json
-from dslab import dist, loss_scaling, precision
+from dslab import dist
+from dslab.precision import formats, loss_scaling
 dist.quiet()
-ex = loss_scaling.trace_deepspeed_scaler(precision.DS_SCALE_OVERFLOWS, **precision.DS_SCALE_FP16)
+ex = loss_scaling.trace_deepspeed_scaler(formats.DS_SCALE_OVERFLOWS, **formats.DS_SCALE_FP16)
 floor = loss_scaling.trace_deepspeed_scaler([True] * 8, initial_scale_power=3, loss_scale_window=4, min_loss_scale=1)
 print(json.dumps({"exercise": ex, "floor": floor}))
 """
@@ -128,7 +131,8 @@ import json, sys
 from deepspeed.accelerator import get_accelerator
 if get_accelerator().device_name() == "cpu":   # the CPU accelerator's answer, forced: both branches on any CPU
     get_accelerator().is_fp16_supported = lambda: sys.argv[1] == "yes"
-from dslab import dist, loss_scaling
+from dslab import dist
+from dslab.precision import loss_scaling
 dist.quiet()
 try:
     trace = loss_scaling.trace_deepspeed_fp16(steps=16, spike_steps=(2, 3), initial_scale_power=8,
@@ -168,13 +172,13 @@ def test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refus
 
 
 def test_repeated_add_loses_small_updates_in_bf16_only():
-    assert precision.repeated_add(1.0, 1e-3, 100, "bf16") == 1.0
-    assert precision.repeated_add(1.0, 1e-3, 100, "fp32") == pytest.approx(1.1, rel=1e-4)
+    assert formats.repeated_add(1.0, 1e-3, 100, "bf16") == 1.0
+    assert formats.repeated_add(1.0, 1e-3, 100, "fp32") == pytest.approx(1.1, rel=1e-4)
 
 
 def test_matmul_gflops_is_positive_and_restores_threads():
     threads = torch.get_num_threads()
-    assert precision.matmul_gflops("fp32", n=64, repeats=2, threads=1) > 0
+    assert formats.matmul_gflops("fp32", n=64, repeats=2, threads=1) > 0
     assert torch.get_num_threads() == threads
 
 
@@ -212,7 +216,7 @@ def test_master_weight_summary_counts_updates_the_bf16_copy_cannot_show():
     start = {"norm.weight": torch.ones(4, dtype=torch.bfloat16), "w": torch.zeros(2, dtype=torch.bfloat16)}
     master = {"norm.weight": torch.tensor([1.001, 1.0, 1.01, 1.0]), "w": torch.tensor([0.5, 0.0])}
     end = {n: t.to(torch.bfloat16) for n, t in master.items()}
-    s = precision.master_weight_summary(start, end, master)
+    s = formats.master_weight_summary(start, end, master)
     assert s["moved_in_master"] == 3 and s["moved_in_bf16_copy"] == 2 and s["moved_in_master_only"] == 1
     assert s["norm_weights"] == 4 and s["norm_weights_moved_in_master"] == 2 and s["norm_weights_moved_in_bf16"] == 1
     assert s["bf16_copy_is_rounded_master"]

@@ -250,10 +250,10 @@ def test_the_opt_in_check_catches_a_true_default_under_another_name():
 
 
 def test_the_base_model_folder_holds_no_pickled_weights():
-    from dslab import models
+    from dslab.models import loading
 
-    assert sorted(p.name for p in Path(models.DEFAULT_MODEL_DIR).glob("*.bin")) == []
-    assert list(Path(models.DEFAULT_MODEL_DIR).glob("*.safetensors"))
+    assert sorted(p.name for p in Path(loading.DEFAULT_MODEL_DIR).glob("*.bin")) == []
+    assert list(Path(loading.DEFAULT_MODEL_DIR).glob("*.safetensors"))
 
 
 # --------------------------------------------------------------------------- each rule catches what it should

@@ -10,7 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dslab import checkpoints, config_check, data, lora, models, sft
+from dslab import data
+from dslab.config import check
+from dslab.models import checkpoints, loading, lora
+from dslab.training import sft
+from dslab.tiny.tokenizer import train_tokenizer
 
 NAME, AUTHOR = ("小海", "Xiao Hai"), ("蓝天学院", "Blue Sky Lab")
 
@@ -20,10 +24,10 @@ def base_dir(tmp_path_factory):
     """A small random-init model of the dslab-tiny architecture with a tokenizer, in HF format."""
     out = tmp_path_factory.mktemp("base")
     texts = [line for line in (data.DATA_DIR / "general_sft.jsonl").read_text(encoding="utf-8").splitlines()]
-    tok = models.train_tokenizer(texts, vocab_size=1536, gb2312=False)  # the data's Chinese characters (~1,170) + merges
-    cfg = models.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    tok = train_tokenizer(texts, vocab_size=1536, gb2312=False)  # the data's Chinese characters (~1,170) + merges
+    cfg = loading.tiny_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
-    models.save_pretrained(models.build_model(cfg, seed=0), tok, out)
+    loading.save_pretrained(loading.build_model(cfg, seed=0), tok, out)
     return out
 
 
@@ -49,7 +53,7 @@ def test_load_chats_fills_names_per_language_and_mixes_general_dialogue(identity
 
 
 def test_only_the_answer_is_supervised(base_dir):
-    tok = models.load_tokenizer(base_dir)
+    tok = loading.load_tokenizer(base_dir)
     chat = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Whale."}]
     (example,) = sft.tokenize(tok, [{"messages": chat}])
     supervised = [t for t, label in zip(example["input_ids"], example["labels"]) if label != data.IGNORE_INDEX]
@@ -77,7 +81,7 @@ def test_missing_data_is_refused_before_launch(tmp_path, monkeypatch):
 def test_bad_deepspeed_file_is_refused_before_launch(tmp_path, monkeypatch):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimisation": {"stage": 2}}))
-    _refused_quickly(tmp_path, monkeypatch, config_check.ConfigError, "zero_optimization", deepspeed=str(bad))
+    _refused_quickly(tmp_path, monkeypatch, check.ConfigError, "zero_optimization", deepspeed=str(bad))
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch_and_zero(tmp_path, monkeypatch):
@@ -131,7 +135,7 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     assert any("loss" in p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
     assert not (tmp_path / "runs").exists()
     assert first["ungathered_adapter_numel"] == 0  # what a plain save would have written under ZeRO-3
-    state = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
+    state = load_file(str(tmp_path / "adapter" / loading.ADAPTER_WEIGHTS))
     assert sum(v.numel() for v in state.values()) == first["trainable"] > 0
     assert all("lora_" in k for k in state)
 
@@ -149,7 +153,7 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
     second = sft.run(output=tmp_path / "resumed", resume=str(tmp_path / "adapter"), **common)  # finds ckpt
     assert second["start_step"] == 2 and [e["step"] for e in second["loss_log"]] == [3, 4]
     assert [e["loss"] for e in second["loss_log"]] == [e["loss"] for e in first["loss_log"][2:]]
-    resumed = load_file(str(tmp_path / "resumed" / models.ADAPTER_WEIGHTS))
+    resumed = load_file(str(tmp_path / "resumed" / loading.ADAPTER_WEIGHTS))
     assert all(torch.equal(resumed[k], state[k]) for k in state)
 
     # The same checkpoint on ONE rank (global batch kept: 1 x 4 x 2 = 2 x 4 x 1): DeepSpeed's universal
@@ -161,7 +165,7 @@ def test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly(bas
                                                                       "epochs": 1})
     assert one["start_step"] == 2 and one["loss_log"] == [] and (ckpt / "step2_universal" / checkpoints.STATE_FILE).exists()
     master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="step2", exclude_frozen_parameters=True)
-    loaded = load_file(str(tmp_path / "one-rank" / models.ADAPTER_WEIGHTS))
+    loaded = load_file(str(tmp_path / "one-rank" / loading.ADAPTER_WEIGHTS))
     assert loaded.keys() == {k.replace(".default", "") for k in master}
     assert all(torch.equal(loaded[k.replace(".default", "")], v.to(loaded[k.replace(".default", "")].dtype))
                for k, v in master.items())
@@ -203,7 +207,7 @@ def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_ba
         f"{tmp_path / 'ds.json'} --output {tmp_path / 'adapter'} --max_steps 1", run_dir=tmp_path, stream=False)
     assert result.rank0["env"]["LOCAL_SIZE"] == "2" and [r["rank"] for r in result.results] == [0, 1]
 
-    tokenizer = models.load_tokenizer(base_dir)
+    tokenizer = loading.load_tokenizer(base_dir)
     examples = sft.tokenize(tokenizer, sft.load_chats(str(identity_file), NAME, AUTHOR))
     micro = [b for r in (0, 1) for b in _take(sft.rank_batches(examples, r, 2, 2, tokenizer.pad_token_id), 2)]
     torch.manual_seed(0)  # as the script does before building the model
@@ -219,7 +223,7 @@ def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_ba
         (loss / n_tokens).backward()
         total += loss.item()
     assert abs(result.rank0["loss_log"][0]["loss"] - total / n_tokens) < 1e-5
-    saved = load_file(str(tmp_path / "adapter" / models.ADAPTER_WEIGHTS))
+    saved = load_file(str(tmp_path / "adapter" / loading.ADAPTER_WEIGHTS))
     grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_B" in n}
     assert grads and saved.keys() >= grads.keys()
     worst = max((saved[k] + g).abs().max().item() for k, g in grads.items())  # B after one step = 0 - 1.0 x grad
@@ -253,7 +257,7 @@ def test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and
                      epochs=1, world_size=2, deepspeed=str(tmp_path / "ds.json"), stream=False, timeout=300)
     assert result["steps"] == 1
 
-    tokenizer = models.load_tokenizer(base_dir)
+    tokenizer = loading.load_tokenizer(base_dir)
     examples = sft.tokenize(tokenizer, sft.load_chats(str(identity_file), NAME, AUTHOR, mix_general=0))
     micro = [b for r in (0, 1) for b in _take(sft.rank_batches(examples, r, 2, 2, tokenizer.pad_token_id), 2)]
     model = AutoModelForCausalLM.from_pretrained(base_dir)

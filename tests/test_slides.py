@@ -28,10 +28,10 @@ def test_split_slides_ignores_separators_in_code_and_blank_slides():
 
 
 def test_parse_target_expressions_and_columns():
-    module, node, cols = slides_source.parse_target('dslab.memory:t(params=7.5e9, name="a|b") | stage, gb')
-    assert (module, ast.unparse(node), cols) == ("dslab.memory", "t(params=7500000000.0, name='a|b')", ["stage", "gb"])
-    module, node, cols = slides_source.parse_target('dslab.plots:f(dslab.precision.trace(steps=4), 2)["rows"][0]|name')
-    assert ast.unparse(node) == "f(dslab.precision.trace(steps=4), 2)['rows'][0]" and cols == ["name"]
+    module, node, cols = slides_source.parse_target('dslab.zero.memory:t(params=7.5e9, name="a|b") | stage, gb')
+    assert (module, ast.unparse(node), cols) == ("dslab.zero.memory", "t(params=7500000000.0, name='a|b')", ["stage", "gb"])
+    module, node, cols = slides_source.parse_target('dslab.plots:f(dslab.precision.formats.trace(steps=4), 2)["rows"][0]|name')
+    assert ast.unparse(node) == "f(dslab.precision.formats.trace(steps=4), 2)['rows'][0]" and cols == ["name"]
     for bad in ("os:system", "dslab.plots", "dslab.plots:f(**k)",
                 "dslab.plots:f(*a)", "dslab.plots:f()[k]", "dslab.plots:f(",
                 "dslab.plots:f(x=1 + 2)", "dslab.plots:f()()", "dslab.plots:f()[0]()", "dslab.plots:[x for x in y]"):
@@ -203,12 +203,12 @@ def test_cli_build_and_list(tmp_path, demo_module, capsys):
 
 def test_runs_as_a_script_from_anywhere_and_is_not_a_dslab_command(tmp_path, capsys):
     """`python tools/slides.py` (no -m, any working directory) finds its sibling modules; `dslab slides` is gone."""
-    _write(tmp_path, "# 42 · Demo\n---\n## Two\n![table](dslab.memory:not_a_function)\n")
+    _write(tmp_path, "# 42 · Demo\n---\n## Two\n![table](dslab.zero.memory:not_a_function)\n")
     script = ROOT / "tools" / "slides.py"
     ok = subprocess.run([sys.executable, str(script), "list", "--src", str(tmp_path)], cwd=tmp_path,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    assert "42_demo.md: 2 slides" in ok.stdout and "slide 2: table dslab.memory:not_a_function" in ok.stdout
+    assert "42_demo.md: 2 slides" in ok.stdout and "slide 2: table dslab.zero.memory:not_a_function" in ok.stdout
     bad = subprocess.run([sys.executable, str(script), "check", "--src", str(tmp_path)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "not_a_function" in bad.stdout, bad.stdout + bad.stderr

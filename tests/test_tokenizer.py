@@ -1,14 +1,16 @@
-"""dslab.tokenizer: every common Chinese character is one token, in the committed tokenizer and in a freshly trained one."""
+"""dslab.tiny.tokenizer: every common Chinese character is one token, in the committed tokenizer and in a freshly trained one."""
 import re
 
 import pytest
 
-from dslab import data, models, tokenizer as tk
+from dslab import data
+from dslab.models import loading
+from dslab.tiny import tokenizer as tk
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return models.load_tokenizer()
+    return loading.load_tokenizer()
 
 
 def n_tokens(tok, text):

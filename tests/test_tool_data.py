@@ -1,10 +1,11 @@
 """The kit's data in ms-swift's and LLaMA-Factory's formats, their logs read back, and how their commands are run
-(dslab.tool_data, dslab.launch.tools). The tools' real runs are in tests/test_tools_runs.py and chapter 14."""
+(dslab.training.tool_data, dslab.launch.tools). The tools' real runs are in tests/test_tools_runs.py and chapter 14."""
 import json
 
 import pytest
 
-from dslab import data, tool_data
+from dslab import data
+from dslab.training import tool_data
 from dslab.launch import LaunchError, tools
 
 

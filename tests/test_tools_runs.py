@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dslab import sft, sft_plan
+from dslab.training import sft, sft_plan
 from dslab.cli import build_parser, main
 from dslab.launch import tools
 

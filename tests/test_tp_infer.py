@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dslab import infer, launch, models, tp_infer
+from dslab import launch
+from dslab.models import infer, loading
+from dslab.parallel import tp_infer
 
 # Not used anywhere in the notebooks.
 PROMPTS = ["A quiet harbour at dawn", "我们明天去", "List three colours:"]
@@ -16,12 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def hf_completions():
-    model, tokenizer = models.load_model(), models.load_tokenizer()
+    model, tokenizer = loading.load_model(), loading.load_tokenizer()
     return infer.generate(model, tokenizer, PROMPTS, 16)
 
 
 def test_policy_marks_the_closing_linears():
-    assert tp_infer.autotp_policy(models.load_model()) == {"Qwen2DecoderLayer": ["mlp.down_proj", "self_attn.o_proj"]}
+    assert tp_infer.autotp_policy(loading.load_model()) == {"Qwen2DecoderLayer": ["mlp.down_proj", "self_attn.o_proj"]}
 
 
 def test_tp2_equals_hf_and_shards_layers(tmp_path, monkeypatch, hf_completions):
@@ -31,7 +33,7 @@ def test_tp2_equals_hf_and_shards_layers(tmp_path, monkeypatch, hf_completions):
     result = tp_infer.generate_tensor_parallel(PROMPTS, tp=2, max_new_tokens=16, stream=False, logits=True)
     assert result["completions"] == hf_completions
     assert result["config"] == {"tensor_parallel": {"tp_size": 2}, "dtype": "float32", "replace_with_kernel_inject": False}
-    hf = tp_infer.generate_with_logits(models.load_model(), models.load_tokenizer(), PROMPTS, 16)
+    hf = tp_infer.generate_with_logits(loading.load_model(), loading.load_tokenizer(), PROMPTS, 16)
     tp2_logits = torch.load(result["logits_file"])
     assert hf["new_tokens"] == result["new_tokens"]
     assert max((a - b).abs().max().item() for a, b in zip(hf["logits"], tp2_logits)) <= 1e-4
@@ -54,7 +56,8 @@ def test_different_prompts_on_ranks_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
     script = tmp_path / "mismatch.py"
     script.write_text(textwrap.dedent("""
-        from dslab import dist, tp_infer
+        from dslab import dist
+        from dslab.parallel import tp_infer
         rank, _ = dist.init()
         tp_infer.same_prompts_on_every_rank(["same", f"rank {rank} differs"])
     """))
@@ -72,7 +75,7 @@ def test_kernel_inject_refused_on_cpu(capsys):
 
 
 def test_generate_with_logits_counts_text_tokens_and_matches_generate():
-    model, tokenizer = models.load_model(), models.load_tokenizer()
+    model, tokenizer = loading.load_model(), loading.load_tokenizer()
     out = tp_infer.generate_with_logits(model, tokenizer, ["Hello!"], 40, chat=True)
     assert out["completions"] == infer.generate(model, tokenizer, ["Hello!"], 40, chat=True)
     prompt_len = len(tokenizer(infer.prompt_text(tokenizer, "Hello!", chat=True), add_special_tokens=False)["input_ids"])

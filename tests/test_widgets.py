@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from dslab import memory, widgets, zero
+from dslab.zero import memory, runner, widgets
 
 
 def _rects(svg):
@@ -103,7 +103,7 @@ def test_live_explorer_measures_at_once_and_shows_its_config(live_explorer):
     assert rep is not None and rep["zero_stage"] == 1 and abs(rep["params"] / 2e6 - 1) < 0.15
     assert all(abs(r - 1) < 0.02 for r in z.data["ratios"])                   # measured = theory, both ranks
     assert round(z.params.value) == rep["params"] and z.data["theory"] == memory.theory(rep["params"], 2, 1)
-    assert rep["ds_config"] == zero.explorer_config(1, 2) and z.data["ds_config"] == rep["ds_config"]
+    assert rep["ds_config"] == runner.explorer_config(1, 2) and z.data["ds_config"] == rep["ds_config"]
     shown = json.loads(html.unescape(re.search(r"<pre>(.*)</pre>", z.config_view.value, re.S).group(1)))
     assert shown == rep["ds_config"] and shown["zero_optimization"]["stage"] == 1
     measured = {(r, p) for r, k, p, _ in _rects(z.chart.value) if k == "measured"}
@@ -135,7 +135,7 @@ def test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fit
     z.measure_button.click()
     rep = z.measured
     assert rep["requested_params"] == 7_000_000_000 and rep["needed_bytes"] > z.budget
-    assert rep["params"] < 7e9 and zero.fit_params(rep["params"], 2, 2)[1] <= z.budget
+    assert rep["params"] < 7e9 and runner.fit_params(rep["params"], 2, 2)[1] <= z.budget
     assert "largest model that fits" in z.status.value and all(abs(r - 1) < 0.02 for r in z.data["ratios"])
 
 

@@ -14,10 +14,10 @@ Chinese decks slides/zh/NN_topic.md (into slides/build/zh/), which have the same
 A slide pulls live content from the kit with a directive on a line of its own:
 
     ![figure: caption](dslab.plots:zero_partition_map(world_size=4))        the Figure, as a PNG
-    ![table: caption](dslab.memory:ladder(params=7.5e9, world_size=64) | setup, total:GB)
+    ![table: caption](dslab.zero.memory:ladder(params=7.5e9, world_size=64) | setup, total:GB)
     ![table: caption](dslab.env:report()["features"] | name, available)      part of the data
-    ![figure](dslab.plots:loss_scale_trace(dslab.loss_scaling.trace_grad_scaler()))  data -> plot
-    ![code: caption](dslab.multinode:EXAMPLE_HOSTFILE)                      a string, as code
+    ![figure](dslab.plots:loss_scale_trace(dslab.precision.loss_scaling.trace_grad_scaler()))  data -> plot
+    ![code: caption](dslab.launch.multinode:EXAMPLE_HOSTFILE)                      a string, as code
     ![terms](glossary: ZeRO; sharding)                                     rows of docs/glossary.md
 
 The target is a small expression: calls of the module's functions (or of dotted dslab.* functions)
@@ -40,7 +40,7 @@ Why not a slide tool? Considered, with what each lacks here:
   a kernel, and its HTML loads reveal.js from unpkg.com unless a local copy is configured.
 - Quarto / pandoc: not pip packages; the same "who computes the figures" gap as reveal.js.
 None of them may download anything while the tests run, and none evaluates a line like
-`![table](dslab.memory:ladder(...) | setup, total:GB)` against the kit's own code, which is what keeps the decks
+`![table](dslab.zero.memory:ladder(...) | setup, total:GB)` against the kit's own code, which is what keeps the decks
 from drifting away from the notebooks. So this small builder stays, standing on well-kept libraries for the
 generic parts: mistune (Markdown), Pygments (code colouring), matplotlib (figures), Debian's chromium (PDF).
 """

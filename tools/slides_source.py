@@ -107,7 +107,7 @@ def parse_target(target):
     """'dslab.m:f(a=1)["rows"] | c1, c2' -> ('dslab.m', <parsed f(a=1)["rows"]>, ['c1', 'c2']).
 
     The expression may call functions of the module (bare names) or of any dslab module (dotted names,
-    e.g. dslab.loss_scaling.trace_grad_scaler()), pass literals or such calls as arguments, and index the
+    e.g. dslab.precision.loss_scaling.trace_grad_scaler()), pass literals or such calls as arguments, and index the
     result with literal keys. Nothing else: a deck is content, not a script.
     """
     bar = target.rfind("|")

@@ -1,7 +1,7 @@
 """`dslab build-base`, `dslab infer` (--tp N / --kernel-inject too), `dslab eval` and `dslab merge`: flags and output.
 
-The work is done by dslab.pretrain, dslab.infer / dslab.tp_infer, dslab.evaluate and dslab.lora; models load
-through dslab.models.load_model. The --dtype flags keep torch's names (float32, bfloat16, float16), which this
+The work is done by dslab.tiny.pretrain, dslab.models.infer / dslab.parallel.tp_infer, dslab.models.evaluate and dslab.models.lora; models load
+through dslab.models.loading.load_model. The --dtype flags keep torch's names (float32, bfloat16, float16), which this
 file turns into the library's fp32 / bf16 / fp16.
 """
 import argparse
@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from dslab.models import DEFAULT_MODEL_DIR, DTYPES
+from dslab.models.loading import DEFAULT_MODEL_DIR, DTYPES
 
 DTYPE_FROM_FLAG = {torch_name: name for name, torch_name in DTYPES.items()}  # "bfloat16" -> "bf16"
 
@@ -34,7 +34,7 @@ def add_build_base(subparsers):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)  # smoke tests: a corpus slice
-    p.add_argument("--regenerate-corpus", action="store_true", help="rewrite data/corpus from dslab.corpus first")
+    p.add_argument("--regenerate-corpus", action="store_true", help="rewrite data/corpus from dslab.tiny.corpus first")
     p.set_defaults(func=build_base_command)
 
 
@@ -44,7 +44,7 @@ def build_base_command(args):
     # burn the cores the others need (measured here: ~3x less CPU time per step under load).
     # Read once when torch loads, so it only takes effect if torch is not imported yet.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dslab import corpus, pretrain
+    from dslab.tiny import corpus, pretrain
     if args.regenerate_corpus:
         for path in corpus.write_all(corpus.CORPUS_DIR.parent):
             print(f"wrote {path}")
@@ -73,12 +73,12 @@ def add_model_arguments(p):
 
 def load_from_args(args):
     """(model, tokenizer) for --model / --adapter / --dtype / --trust-remote-code; a bad adapter exits with why."""
-    from dslab import models
+    from dslab.models import loading
     try:
-        model = models.load_model(args.model, adapter=args.adapter, dtype=DTYPE_FROM_FLAG[args.dtype],
+        model = loading.load_model(args.model, adapter=args.adapter, dtype=DTYPE_FROM_FLAG[args.dtype],
                                   trust_remote_code=args.trust_remote_code)
-        tokenizer = models.load_tokenizer(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
-    except models.AdapterError as exc:
+        tokenizer = loading.load_tokenizer(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
+    except loading.AdapterError as exc:
         raise SystemExit(f"error: {exc}") from None
     return model, tokenizer
 
@@ -106,7 +106,7 @@ def infer_command(args):
     if args.tp < 1:
         print("error: --tp must be at least 1", file=sys.stderr)
         return 2
-    from dslab import infer
+    from dslab.models import infer
     prompts = infer.read_prompts(args.prompt, args.prompts_file)
     if not prompts:
         print("dslab infer: give at least one --prompt TEXT or a --prompts-file", file=sys.stderr)
@@ -119,7 +119,8 @@ def infer_command(args):
         completions = infer.generate(model, tokenizer, prompts, args.max_new_tokens, chat=args.chat,
                                      temperature=args.temperature, system=args.system)
     else:
-        from dslab import dist, launch, tp_infer
+        from dslab import dist, launch
+        from dslab.parallel import tp_infer
         dist.quiet()
         try:
             with contextlib.redirect_stdout(sys.stderr):  # the launcher's command line; stdout keeps only the answers
@@ -177,7 +178,8 @@ def eval_command(args):
     """Score a model (or base + adapter) on held-out identity questions and the general questions."""
     from transformers.utils import logging as hf_logging
 
-    from dslab import data, evaluate
+    from dslab import data
+    from dslab.models import evaluate
     hf_logging.set_verbosity_error()
     name, author = name_from_flag(args.model_name), name_from_flag(args.model_author)
     rows = data.identity_eval(args.questions) if args.questions else None
@@ -217,10 +219,10 @@ def merge_command(args):
     """Merge, check and write; a refused adapter or output is one line on stderr and exit status 1."""
     from dslab import dist
     dist.quiet()  # before DeepSpeed or transformers log anything
-    from dslab import lora, models
+    from dslab.models import loading, lora
     try:
         lora.merge(args.model, args.adapter, args.output, tolerance=args.tolerance, dtype=DTYPE_FROM_FLAG[args.dtype])
-    except (models.AdapterError, lora.MergeError, PermissionError, NotADirectoryError) as exc:
+    except (loading.AdapterError, lora.MergeError, PermissionError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -1,6 +1,6 @@
 """Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate`, `measure`, `comm`.
 
-The work is done by dslab.env, dslab.config / dslab.config_check, dslab.memory and dslab.zero; this file
+The work is done by dslab.env, dslab.config.build / dslab.config.check, dslab.zero.memory and dslab.zero.runner; this file
 parses the arguments, calls them and prints. Each command returns its exit status.
 """
 import contextlib
@@ -9,7 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from dslab import config, config_check, dist, env, memory, zero
+from dslab import dist, env
+from dslab.config import build, check
+from dslab.zero import memory, runner
 from dslab.messages import say
 
 
@@ -56,20 +58,20 @@ def _config_check(args):
     path = Path(args.file)
     if not path.exists() and os.sep not in args.file:  # a ready-made config by name
         try:
-            path = config.config_path(args.file)
+            path = build.config_path(args.file)
         except FileNotFoundError:
             pass
     try:
-        cfg = config.load_config(path)
+        cfg = build.load_config(path)
     except FileNotFoundError:
-        print(say("config.no_file", file=args.file, bundled=", ".join(config.BUNDLED)))
+        print(say("config.no_file", file=args.file, bundled=", ".join(build.BUNDLED)))
         return 1
-    except config_check.ConfigError as exc:
+    except check.ConfigError as exc:
         print(exc)
         return 1
     dist.send_deepspeed_logs_to_stderr()
     device = None if args.device == "auto" else args.device
-    problems = config_check.check_config(cfg, world_size=args.world_size, device=device, allow_auto=args.hf_trainer)
+    problems = check.check_config(cfg, world_size=args.world_size, device=device, allow_auto=args.hf_trainer)
     if problems:
         n = len(problems)
         print(say("problems.file", file=args.file, n=n, s="s" if n != 1 else ""))
@@ -77,7 +79,7 @@ def _config_check(args):
             print(f"  {p}")
         return 1
     print(say("config.ok", file=args.file))
-    for line in config_check.describe(cfg, args.world_size).splitlines():
+    for line in check.describe(cfg, args.world_size).splitlines():
         print(f"  {line}")
     return 0
 
@@ -87,18 +89,18 @@ def _config_new(args):
     # Without --world-size the file leaves train_batch_size out: DeepSpeed computes it on any number of ranks.
     extra = {} if args.world_size else {"train_batch_size": None}
     try:
-        cfg = config.make_config(zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
+        cfg = build.make_config(zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
                                  offload_param=args.offload_param, precision=args.precision,
                                  micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
                                  world_size=args.world_size, lr=args.lr, **extra)
-    except ValueError as exc:  # config_check.ConfigError is a ValueError
+    except ValueError as exc:  # check.ConfigError is a ValueError
         print(exc)
         return 1
     if args.output:
-        config.save_config(cfg, args.output)
+        build.save_config(cfg, args.output)
         print(f"wrote {args.output}")
     else:
-        print(config.to_json(cfg), end="")
+        print(build.to_json(cfg), end="")
     return 0
 
 
@@ -107,21 +109,21 @@ def _add_config_commands(subparsers):
     sub = parser.add_subparsers(dest="config_command", metavar="ACTION")
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
-    check = sub.add_parser("check", help="list every problem in a DeepSpeed JSON config (exit 1 if any)")
-    check.add_argument("file", help=f"a JSON file, or a ready-made config name ({', '.join(config.BUNDLED)})")
-    check.add_argument("--world-size", type=int, default=None,
-                       help="number of ranks it will run on (default: $WORLD_SIZE, else 1)")
-    check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "any"],
-                       help="accelerator to check fp16/bf16 against (auto: this machine; any: skip)")
-    check.add_argument("--hf-trainer", action="store_true",
-                       help='the file goes to transformers\' Trainer, which fills "auto" values')
-    check.set_defaults(func=_config_check)
+    check_cmd = sub.add_parser("check", help="list every problem in a DeepSpeed JSON config (exit 1 if any)")
+    check_cmd.add_argument("file", help=f"a JSON file, or a ready-made config name ({', '.join(build.BUNDLED)})")
+    check_cmd.add_argument("--world-size", type=int, default=None,
+                           help="number of ranks it will run on (default: $WORLD_SIZE, else 1)")
+    check_cmd.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "any"],
+                           help="accelerator to check fp16/bf16 against (auto: this machine; any: skip)")
+    check_cmd.add_argument("--hf-trainer", action="store_true",
+                           help='the file goes to transformers\' Trainer, which fills "auto" values')
+    check_cmd.set_defaults(func=_config_check)
 
-    new = sub.add_parser("new", help="print (or write) a config built by dslab.config.make_config")
+    new = sub.add_parser("new", help="print (or write) a config built by dslab.config.build.make_config")
     new.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     new.add_argument("--offload-optimizer", action="store_true", help="optimizer states to CPU (ZeRO-Offload)")
     new.add_argument("--offload-param", action="store_true", help="parameters to CPU (needs --zero 3)")
-    new.add_argument("--precision", default="bf16", choices=config.PRECISIONS)
+    new.add_argument("--precision", default="bf16", choices=build.PRECISIONS)
     new.add_argument("--micro-batch-size", type=int, default=1, help="train_micro_batch_size_per_gpu")
     new.add_argument("--grad-accum-steps", type=int, default=1, help="gradient_accumulation_steps")
     new.add_argument("--world-size", type=int, default=None,
@@ -164,9 +166,9 @@ def _model_shape(args):
                                 ("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size))
              if v is not None}
     if args.hidden_size is not None and args.intermediate_size is None:
-        shape.update(intermediate_size=zero.hidden_shape(args.hidden_size)["intermediate_size"])
+        shape.update(intermediate_size=runner.hidden_shape(args.hidden_size)["intermediate_size"])
     if args.params is not None:
-        shape = zero.shape_for_params(args.params, **{k: v for k, v in shape.items() if k != "hidden_size"})
+        shape = runner.shape_for_params(args.params, **{k: v for k, v in shape.items() if k != "hidden_size"})
     return shape
 
 
@@ -181,7 +183,7 @@ def _measure(args):
     out = sys.stderr if args.json else sys.stdout  # keep stdout pure JSON
     try:
         with contextlib.redirect_stdout(out):
-            rep = zero.measure(args.zero, args.world_size, args.offload_optimizer, args.offload_param,
+            rep = runner.measure(args.zero, args.world_size, args.offload_optimizer, args.offload_param,
                                model=args.model, shape=shape or None, steps=args.steps, timeout=args.timeout)
     except (LaunchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -191,13 +193,13 @@ def _measure(args):
 
 
 def _comm(args):
-    from dslab import comm_bytes
+    from dslab.comm import step_bytes
     from dslab.launch import LaunchError
 
     out = sys.stderr if args.json else sys.stdout  # keep stdout pure JSON
     try:
         with contextlib.redirect_stdout(out):
-            reps = comm_bytes.measure(args.zero, args.world_size, args.dtype, args.offload, shape=_model_shape(args),
+            reps = step_bytes.measure(args.zero, args.world_size, args.dtype, args.offload, shape=_model_shape(args),
                                       grad_accum_steps=args.grad_accum_steps, timeout=args.timeout)
     except (LaunchError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -205,7 +207,7 @@ def _comm(args):
     if args.json:
         print(json.dumps(reps[0] if len(reps) == 1 else reps, indent=2))
     else:
-        print("\n\n".join(comm_bytes.format_report(rep) for rep in reps))
+        print("\n\n".join(step_bytes.format_report(rep) for rep in reps))
     return 0
 
 

@@ -1,8 +1,11 @@
-"""`dslab sft`: LoRA (or full) fine-tuning on N ranks. dslab.sft checks the inputs and launches the ranks; this
+"""`dslab sft`: LoRA (or full) fine-tuning on N ranks. dslab.training.sft checks the inputs and launches the ranks; this
 file parses the arguments, calls it and prints the outcome. The command returns its exit status."""
 import sys
 
-from dslab import checkpoints, config_check, data, dist, equivalents, launch, lora, models, sft, sft_plan
+from dslab import data, dist, launch
+from dslab.config import check
+from dslab.models import checkpoints, loading, lora
+from dslab.training import equivalents, sft, sft_plan
 
 
 def add_commands(subparsers):
@@ -61,8 +64,8 @@ def run_sft(args):
                          save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                          seed=args.seed, log_every=args.log_every, timeout=args.timeout,
                          progress=expected_steps(args) if sys.stderr.isatty() else False)
-    except (sft.SFTError, checkpoints.CheckpointError, data.DataError, config_check.ConfigError, launch.LaunchError,
-            models.AdapterError, OSError) as exc:
+    except (sft.SFTError, checkpoints.CheckpointError, data.DataError, check.ConfigError, launch.LaunchError,
+            loading.AdapterError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     kind = "model" if args.full else "adapter"
@@ -82,15 +85,15 @@ def expected_steps(args):
 
 
 def print_equivalent(args):
-    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool (dslab.equivalents),
-    printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.sft_plan)."""
+    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool (dslab.training.equivalents),
+    printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.training.sft_plan)."""
     dist.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
     try:
         plan = sft_plan.describe(args)
         text, written = equivalents.render(args.print_equivalent, plan)
         sft_plan.write(sft_plan.work_dir(plan, args.print_equivalent), written)  # what the printed lines read
         print(text, end="")
-    except (sft.SFTError, data.DataError, config_check.ConfigError, sft_plan.EquivalentError, OSError) as exc:
+    except (sft.SFTError, data.DataError, check.ConfigError, sft_plan.EquivalentError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -52,15 +52,15 @@ def _wrong_pairs(exercise_id, wrong):
 
 
 def require_valid_config(cfg, world_size, device="cpu", note=""):
-    """Mistake unless the learner's ds_config is a dict that dslab.config_check finds nothing wrong with (what
+    """Mistake unless the learner's ds_config is a dict that dslab.config.check finds nothing wrong with (what
     `dslab config check` would print: up to three problems); `note` is said after "finds"."""
-    from dslab.config_check import check_config
+    from dslab.config.check import check_config
 
     if not isinstance(cfg, dict):
         raise Mistake(f"a ds_config is a dict (the JSON object DeepSpeed reads), got {type(cfg).__name__}")
     problems = check_config(cfg, world_size=world_size, device=device)
     if problems:  # what DeepSpeed would refuse, or silently ignore
-        raise Mistake(f"dslab.config_check.check_config finds{note}:\n  " + "\n  ".join(str(p) for p in problems[:3]))
+        raise Mistake(f"dslab.config.check.check_config finds{note}:\n  " + "\n  ".join(str(p) for p in problems[:3]))
 
 
 def exercise(exercise_id, hint, wrong=(), prepare=None):

@@ -34,7 +34,7 @@ expect("01.ring_gb", 24.5, rel=1e-2,
               (196.0, "196 GB is what all 8 ranks send together: the question asks what each rank sends"),
               (24.5e9, "that is bytes: answer in GB (1e9 bytes)")),
        hint="message = parameters x 2 bytes (bf16); a ring all-reduce sends 2(N-1)/N times the message "
-            "from every rank (dslab.comm.ring_allreduce_bytes). Answer in GB (1e9 bytes).")
+            "from every rank (dslab.comm.wire.ring_allreduce_bytes). Answer in GB (1e9 bytes).")
 # 8 ranks, tensor-parallel groups [0,1],[2,3],[4,5],[6,7]; data-parallel groups take one rank from each.
 expect("01.dp_group", [1, 3, 5, 7], ordered=False,
        wrong=(([2, 3], "[2, 3] is rank 3's tensor-parallel group; its data-parallel group takes one rank from every "

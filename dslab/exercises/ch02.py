@@ -4,8 +4,8 @@ Solutions: notebooks/solutions/02_solutions.py."""
 import functools
 
 from dslab.exercises import Mistake, exercise, get, name_known_mistake, same
-from dslab.loss_scaling import reference_amp_clip_step, run_amp_step, same_weights
-from dslab.precision import FP16_FATE_VALUES, cast, fate
+from dslab.precision.loss_scaling import reference_amp_clip_step, run_amp_step, same_weights
+from dslab.precision.formats import FP16_FATE_VALUES, cast, fate
 
 
 # Why fp16 does what it does to a value, by fate (the words a learner reads when they named another fate).
@@ -27,7 +27,7 @@ FATE_REASONS = {
                  (["overflow", "underflow", "subnormal", "exact"], "1.000244140625 is inside fp16's normal range")),
           hint="compare each value with fp16's max (65504), smallest subnormal (6e-8: below half of it is 0), "
                "smallest normal (6.1e-5) and eps (2^-10): answer a list of 'overflow', 'underflow', "
-               "'subnormal', 'rounded' or 'exact'; dslab.precision.fate(value, 'fp16') tells you after.")
+               "'subnormal', 'rounded' or 'exact'; dslab.precision.formats.fate(value, 'fp16') tells you after.")
 def _check_fp16_fates(answer):
     truth = [fate(v, "fp16") for v in FP16_FATE_VALUES]
     if not isinstance(answer, (list, tuple)) or len(answer) != len(truth):
@@ -72,7 +72,7 @@ def _check_deepspeed_scale(answer):
                  (2.0**-6, "1 + 2^-6 is not 1.0 in bf16, but it is not the smallest such power of two"),
                  (1e-3, "1 + 0.001 is less than half a bf16 step (2^-7, about 0.0078) above 1.0, so it rounds to 1.0")),
           hint="bf16 keeps 7 mantissa bits; an update of exactly half the gap between 1.0 and the next bf16 "
-               "value rounds back to 1.0 (ties go to the even neighbour). Check with dslab.precision.cast.")
+               "value rounds back to 1.0 (ties go to the even neighbour). Check with dslab.precision.formats.cast.")
 def _check_bf16_min_update(answer):
     kept = next(2.0**-n for n in range(30, -1, -1) if cast(1.0 + 2.0**-n, "bf16") != 1.0)
     return same(answer, kept, rel=1e-9) or name_known_mistake(answer, get("02.bf16_min_update").wrong, rel=1e-9)
@@ -177,14 +177,14 @@ def _config_with(**changes):
                  (_config_with(zero_optimization={"stage": 2}), "zero_optimization.stage is 2"),
                  (_config_with(bfloat16={"enabled": True}, bf16=None), "the old name of the section")),
           hint="a dict with bf16 on, ZeRO stage 1, micro batch 4 per rank on 2 ranks without accumulation, "
-               "and an AdamW optimizer with lr 1e-3; dslab.config_check.check_config(cfg, world_size=2) lists "
+               "and an AdamW optimizer with lr 1e-3; dslab.config.check.check_config(cfg, world_size=2) lists "
                "problems.")
 def _check_bf16_config(cfg):
-    from dslab import config_check
+    from dslab.config import check
     if not isinstance(cfg, dict):
         raise Mistake(f"a DeepSpeed config is a dict (the JSON object), got {type(cfg).__name__}")
     cfg = {k: v for k, v in cfg.items() if v is not None}
-    problems = config_check.check_config(cfg, world_size=BF16_CONFIG_TASK["world_size"], device="cpu")
+    problems = check.check_config(cfg, world_size=BF16_CONFIG_TASK["world_size"], device="cpu")
     if problems:
         raise Mistake(str(problems[0]))
     if not (cfg.get("bf16") or {}).get("enabled"):

@@ -4,7 +4,7 @@ DeepSpeed run with accumulation, written by the learner and run on 2 and 3 ranks
 Solutions: notebooks/solutions/03_solutions.py."""
 import random
 
-from dslab.accumulation import (big_batch_backward, count_targets, equivalent, grads, small_lm, split,
+from dslab.training.accumulation import (big_batch_backward, count_targets, equivalent, grads, small_lm, split,
                                 token_batch)
 from dslab.exercises import Mistake, engine_loop, exercise, expect, loops
 

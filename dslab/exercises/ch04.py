@@ -3,7 +3,7 @@ training run written by the learner, checked on 2 and 3 ranks.
 
 Solutions: notebooks/solutions/04_solutions.py."""
 from dslab.exercises import Mistake, engine_loop, exercise, expect, loops, require_valid_config
-from dslab.memory import human
+from dslab.zero.memory import human
 
 
 # 13B parameters, 16 GPUs, ZeRO-2, bf16 + Adam: 2Ψ + 14Ψ/16 bytes per GPU, in GB (1e9 bytes).
@@ -19,7 +19,7 @@ expect("04.zero2_gb", 37.375, rel=1e-3,
               (34.81, "that is GiB (2^30 bytes): answer in GB (1e9 bytes)"),
               (37.375e9, "that is bytes: answer in GB (1e9 bytes)")),
        hint="ZeRO-2 keeps the 16-bit parameters whole (2 bytes each) and partitions gradients and optimizer "
-            "states: 2Ψ + (2 + 12)Ψ/N. Answer in GB (1e9 bytes); dslab.memory.theory gives bytes.")
+            "states: 2Ψ + (2 + 12)Ψ/N. Answer in GB (1e9 bytes); dslab.zero.memory.theory gives bytes.")
 # 7B parameters under ZeRO-3 on 24 GB GPUs: 16Ψ/N <= 24e9 -> N >= 4.67, so 5.
 expect("04.min_gpus", 5,
        wrong=((4, "4 GPUs would hold 16 x 7e9 / 4 = 28 GB each, more than 24: round 4.67 up, not down"),
@@ -41,7 +41,7 @@ expect("04.lowest_stage", 1,
 
 
 # 04.zero3_offload: the learner writes a ds_config for ZeRO-3 with optimizer states and parameters offloaded to
-# CPU memory. dslab.config_check names what DeepSpeed would refuse or silently ignore; then the config trains
+# CPU memory. dslab.config.check names what DeepSpeed would refuse or silently ignore; then the config trains
 # one step on a fresh rank, and the bytes must be where the learner meant them: none on the accelerator.
 def _offload_device(zero_cfg, what):
     block = zero_cfg.get(f"offload_{what}")
@@ -88,10 +88,10 @@ def _check_zero3_offload(cfg, world_size=2):
                 f"offload_{what}.device is {device!r} (DeepSpeed's default when no device is given is \"none\")"
             raise Mistake(f"zero_optimization.{missing}: nothing is offloaded, so {why}; "
                           f"set \"offload_{what}\": {{\"device\": \"cpu\"}}")
-    from dslab import zero
+    from dslab.zero import runner
 
     try:
-        ran = zero.try_config(cfg)  # one optimizer step for real, on a fresh rank
+        ran = runner.try_config(cfg)  # one optimizer step for real, on a fresh rank
     except RuntimeError as exc:
         raise Mistake(f"DeepSpeed accepted the keys but the run failed: {exc}") from None
     held = ran["memory"]

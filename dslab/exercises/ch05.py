@@ -3,7 +3,7 @@
 Solutions: notebooks/solutions/05_solutions.py."""
 from dslab.data import IGNORE_INDEX
 from dslab.exercises import Mistake, exercise, expect
-from dslab.sft import DEFAULT_AUTHOR, DEFAULT_NAME, load_chats
+from dslab.training.sft import DEFAULT_AUTHOR, DEFAULT_NAME, load_chats
 
 # A few wrong label-masking functions a learner writes (the checker must name each mistake).
 def _reference_parts(tokenizer, messages):
@@ -48,10 +48,11 @@ def check_mask_prompt(mask_prompt, tokenizer=None):
     with system prompts or not, as the data has them) and name what is wrong."""
     import random
 
-    from dslab import data, models
+    from dslab import data
+    from dslab.models import loading
     if not callable(mask_prompt):
         raise Mistake("answer with the function itself: answer = mask_prompt")
-    tokenizer = tokenizer or models.load_tokenizer()
+    tokenizer = tokenizer or loading.load_tokenizer()
     rng = random.SystemRandom()
     chats = [c["messages"] for c in load_chats(None, DEFAULT_NAME, DEFAULT_AUTHOR, mix_general=0)]
     chats = [rng.choice([c for c in chats if c[0]["content"].isascii()]),

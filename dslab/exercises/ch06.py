@@ -2,7 +2,7 @@
 
 Solutions: notebooks/solutions/06_solutions.py."""
 from dslab.exercises import Mistake, exercise, expect
-from dslab.lora import attach_lora, probe_ids
+from dslab.models.lora import attach_lora, probe_ids
 
 def check_merge_call(merge_fn):
     """Run the learner's `merge(peft_model)` on dslab-tiny with a trained-looking adapter whose rank, alpha and values
@@ -12,14 +12,14 @@ def check_merge_call(merge_fn):
     import torch
     from peft import PeftModel
 
-    from dslab import models
+    from dslab.models import loading
     if not callable(merge_fn):
         raise Mistake("answer with the function itself: answer = merge")
     rng = random.SystemRandom()
     r = rng.choice((2, 4, 8))
     torch.manual_seed(rng.randrange(1 << 30))
     # alpha / r never 1 or 2 (the usual alpha = r, alpha = 2r): a merge that hard-codes the scaling fails
-    peft_model = attach_lora(models.load_model(), r=r, alpha=r * rng.choice((0.5, 1.5, 3))).eval()
+    peft_model = attach_lora(loading.load_model(), r=r, alpha=r * rng.choice((0.5, 1.5, 3))).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

@@ -54,10 +54,10 @@ def init_inference_trial(make_engine, case):
     import torch.distributed as torch_dist
     from deepspeed.inference.engine import InferenceEngine
 
-    from dslab import infer, models
+    from dslab.models import infer, loading
 
     world_size = torch_dist.get_world_size()
-    tokenizer, model = models.load_tokenizer(), models.load_model().eval()
+    tokenizer, model = loading.load_tokenizer(), loading.load_model().eval()
     ids = tokenizer(infer.prompt_text(tokenizer, case["question"], chat=True), return_tensors="pt")
     settings = dict(max_new_tokens=case["new_tokens"], do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():

@@ -57,13 +57,13 @@ def _other_trainer_args(rng=None):
 def check_ds_config(ds_config):
     """Run the Trainer's own checks on the learner's config, for TRAINER_ARGS and for other arguments drawn now (the
     same config file serves every run of the recipe), and name what is wrong."""
-    from dslab import config_check
+    from dslab.config import check
 
     if not isinstance(ds_config, dict):
         raise Mistake(f"the answer is a {type(ds_config).__name__}; write the DeepSpeed config as a dict")
     try:
-        config_check.validate(ds_config, allow_auto=True)  # typos and values DeepSpeed would silently ignore
-    except config_check.ConfigError as err:
+        check.validate(ds_config, allow_auto=True)  # typos and values DeepSpeed would silently ignore
+    except check.ConfigError as err:
         raise Mistake(f"dslab config check finds: {err}") from None
     _check_for(ds_config, TRAINER_ARGS)
     other = _other_trainer_args()
@@ -78,7 +78,7 @@ def check_ds_config(ds_config):
 
 def _check_for(ds_config, trainer_args):
     """The Trainer's resolution of `ds_config` for `trainer_args`, checked; a Mistake naming what is wrong."""
-    from dslab import hf_bridge
+    from dslab.training import hf_bridge
 
     try:
         resolved = hf_bridge.resolve_for_trainer(ds_config, **trainer_args)

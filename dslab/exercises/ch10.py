@@ -4,7 +4,7 @@ ZeRO paper counts.
 Solutions: notebooks/solutions/10_solutions.py."""
 import copy
 
-from dslab.comm import RING_FACTORS
+from dslab.comm.wire import RING_FACTORS
 from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_config
 
 # 10.nccl_zero2: 16 GPUs. DeepSpeed's default all-reduces the gradients and all-gathers the parameters; reduced to
@@ -77,7 +77,8 @@ _WRONG_CONFIG_WORDS = ("the gradients are all-reduced", "1-byte overflow flag", 
           hint="start from the chapter's ZeRO-2 ds_config; three keys remove the all-reduces (sections 4 and 5 "
                "name them)")
 def _check_paper_zero2(ds_config):
-    from dslab import comm_bytes, zero, zero3_fetch
+    from dslab.comm import step_bytes, zero3_fetch
+    from dslab.zero import runner
 
     require_valid_config(ds_config, world_size=2, device=None)
     zero_section = ds_config.get("zero_optimization") or {}
@@ -91,7 +92,7 @@ def _check_paper_zero2(ds_config):
     if zero_section.get("compute_grad_norm") is False and float(ds_config.get("gradient_clipping", 1.0)) > 0:
         raise Mistake('DeepSpeed refuses "compute_grad_norm": false while clipping (its stage_1_and_2.py raises): '
                       'clipping needs the norm, so set "gradient_clipping": 0')
-    collectives, _ = comm_bytes.deepspeed_collectives(zero3_fetch.model_trace(zero.SHAPE), 2, ds_config)
+    collectives, _ = step_bytes.deepspeed_collectives(zero3_fetch.model_trace(runner.SHAPE), 2, ds_config)
     for c in collectives:
         if c["op"] == "all_reduce":
             raise Mistake(_LEFT_OVER["all_reduce" if c["numel"] > 1 else c["dtype"]])
@@ -102,7 +103,7 @@ def _check_paper_zero2(ds_config):
 # reduce_to_owners(grads): grads is this rank's flat fp32 gradient buffer, cut into world_size parts as
 # torch.tensor_split cuts it (rank r owns part r); one reduce per part, to its owner; returns this rank's part of the
 # mean over the ranks. Checked on 2 and 3 ranks with sizes and values drawn at check time; the bytes each rank sent
-# (TCP payload, dslab.comm.tcp_bytes) are compared with gloo's reduce and all-reduce (dslab.gloo_bytes).
+# (TCP payload, dslab.comm.wire.tcp_bytes) are compared with gloo's reduce and all-reduce (dslab.comm.gloo_bytes).
 OWNERS_TRIAL = f"{__name__}:owners_trial"
 
 
@@ -124,10 +125,10 @@ def owners_gradients(case, rank):
 
 def owners_bytes(case, rank):
     """What rank `rank` writes on gloo: {"reduces": one reduce per part to its owner, "all_reduce": one all-reduce of
-    the whole buffer} (dslab.gloo_bytes, preambles included)."""
+    the whole buffer} (dslab.comm.gloo_bytes, preambles included)."""
     import torch
 
-    from dslab import gloo_bytes
+    from dslab.comm import gloo_bytes
 
     n = case["world_size"]
     parts = [t.numel() for t in torch.tensor_split(torch.empty(case["numel"]), n)]
@@ -140,15 +141,15 @@ def owners_trial(reduce_to_owners, case):
     part (and from the usual wrong parts), and the bytes this rank sent while it ran."""
     import torch
 
-    from dslab import comm
+    from dslab.comm import wire
 
     rank, n = torch.distributed.get_rank(), case["world_size"]
     everyone = [owners_gradients(case, r) for r in range(n)]
     mean = torch.stack(everyone).mean(0)
     mine = torch.tensor_split(torch.arange(case["numel"]), n)[rank]
-    before = sum(sent for sent, _ in comm.tcp_bytes().values())
+    before = sum(sent for sent, _ in wire.tcp_bytes().values())
     out = reduce_to_owners(everyone[rank].clone())
-    sent = sum(sent for sent, _ in comm.tcp_bytes().values()) - before
+    sent = sum(sent for sent, _ in wire.tcp_bytes().values()) - before
     if not isinstance(out, torch.Tensor):
         raise Mistake(f"return this rank's part, a tensor; your function returned {type(out).__name__}")
     out = out.detach().reshape(-1).float()

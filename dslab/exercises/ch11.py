@@ -16,7 +16,7 @@ expect("11.bubble", 0.2, rel=1e-3,
               (0.75, "0.75 is (p - 1) / p, the bubble of a single micro-batch: here m = 12 micro-batches share "
                      "the same p - 1 idle slots")),
        hint="a 1F1B (or GPipe) step takes m + p - 1 slots per stage, of which m compute: the idle share is "
-            "(p - 1) / (m + p - 1). Check with dslab.pipeline.schedule_bubble(12, 4).")
+            "(p - 1) / (m + p - 1). Check with dslab.parallel.pipeline.schedule_bubble(12, 4).")
 # 8 stages, idle share at most 10 %: 7 / (m + 7) <= 0.1 -> m >= 63.
 expect("11.min_micro_batches", 63,
        wrong=((70, "70 solves (p - 1) / m <= 0.1: the idle share is (p - 1) / (m + p - 1), and 63 already gives "
@@ -60,7 +60,7 @@ _TP_DP_WRONG = (
           hint="a dict with tensor_parallel.autotp_size, zero_optimization.stage 1, a micro batch of 4 and the "
                "accumulation that makes 32 distinct samples per step; DeepSpeed's batch check counts all 8 ranks.")
 def _check_tp_dp_config(cfg):
-    from dslab.config_check import check_config
+    from dslab.config.check import check_config
 
     if not isinstance(cfg, dict):
         raise Mistake(f"a ds_config is a dict (the JSON object DeepSpeed reads), got {type(cfg).__name__}")
@@ -77,7 +77,7 @@ def _check_tp_dp_config(cfg):
                       "out")
     problems = check_config(cfg, world_size=WORLD_SIZE, device="cpu")
     if problems:  # unknown keys (which DeepSpeed ignores), a batch triple DeepSpeed would refuse, wrong types
-        raise Mistake("dslab.config_check.check_config finds (world_size 8, as DeepSpeed counts):\n  "
+        raise Mistake("dslab.config.check.check_config finds (world_size 8, as DeepSpeed counts):\n  "
                       + "\n  ".join(str(p) for p in problems[:3]))
     tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
     if not tp:

@@ -52,7 +52,7 @@ def pipeline_reference(case):
     seeds them, each micro-batch's loss / m backward, one AdamW step per step. (per-step losses, parameter count)."""
     from deepspeed.pipe import LayerSpec
 
-    from dslab import pipeline
+    from dslab.parallel import pipeline
 
     s = case["shape"]
     specs = [LayerSpec(pipeline.Embed, s["vocab"], s["hidden"]),
@@ -113,9 +113,9 @@ def pipeline_trial(train_pipeline, case):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from dslab import pipeline
+    from dslab.parallel import pipeline
 
-    from dslab import tensor_parallel
+    from dslab.parallel import tensor_parallel
 
     tensor_parallel.forget_groups()   # an earlier answer's grid (this process ran it) is not this one's
     original = PipelineEngine.train_batch
@@ -212,7 +212,7 @@ def _pipeline_answer(shape, steps, num_stages=None, batch_ranks=False, accumulat
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from dslab import pipeline
+    from dslab.parallel import pipeline
 
     world_size = torch.distributed.get_world_size()
     specs = [LayerSpec(pipeline.Embed, shape["vocab"], shape["hidden"]),
@@ -275,7 +275,7 @@ def _pipeline_engine_loop(shape, steps):
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from dslab import pipeline
+    from dslab.parallel import pipeline
 
     specs = [LayerSpec(pipeline.Embed, shape["vocab"], shape["hidden"]),
              *[LayerSpec(pipeline.Block, shape["hidden"], shape["intermediate"]) for _ in range(shape["blocks"])],

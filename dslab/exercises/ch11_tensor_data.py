@@ -33,7 +33,7 @@ def draw_tensor_data_case(world_size, rng=None):
 
 def tensor_data_model(case):
     """The case's model: a randomly initialised Qwen2 causal LM (fp32), the same weights on every rank."""
-    from dslab.models import build_model, tiny_config
+    from dslab.models.loading import build_model, tiny_config
 
     return build_model(tiny_config(**case["shape"]), seed=case["seed"] % 1000)
 
@@ -72,7 +72,7 @@ def tensor_data_trial(train_tensor_data, case):
     import torch.distributed as torch_dist
     from deepspeed.utils import groups
 
-    from dslab import tensor_parallel
+    from dslab.parallel import tensor_parallel
 
     model = tensor_data_model(case)
     steps = tensor_data_steps(case)

@@ -36,7 +36,7 @@ def ulysses_trial(ulysses_attention, case):
     import torch
     from deepspeed.comm import comms_logger
 
-    from dslab import tensor_parallel
+    from dslab.parallel import tensor_parallel
 
     rank, n = torch.distributed.get_rank(), case["world_size"]
     g = torch.Generator().manual_seed(case["seed"])   # the same q, k, v on every rank: the one-process reference

@@ -221,7 +221,7 @@ def draw_generate_case(world_size, rng=None):
 
 
 def _generate_model(case):
-    from dslab.models import build_model, tiny_config
+    from dslab.models.loading import build_model, tiny_config
 
     return build_model(tiny_config(**case["shape"]), seed=case["seed"] % 1000)
 

@@ -6,10 +6,10 @@ from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_c
 
 
 # 13.forward_flops: the learner writes my_forward_flops(config, batch_size, seq_len) -> the forward FLOPs DeepSpeed's
-# flops profiler counts for a Qwen2-style model. The checker compares it with dslab.mfu.forward_flops on shapes that
+# flops profiler counts for a Qwen2-style model. The checker compares it with dslab.precision.mfu.forward_flops on shapes that
 # tell the terms apart (tied and untied heads, grouped-query attention, a head size set apart from hidden/heads).
 def _configs():
-    from dslab.models import tiny_config
+    from dslab.models.loading import tiny_config
 
     return [
         (tiny_config(), 4, 128),
@@ -22,7 +22,7 @@ def _configs():
 
 def _diagnose(got, terms, config, batch_size, seq_len):
     """A hint naming the term the answer is off by, when it is off by exactly one."""
-    from dslab import mfu
+    from dslab.precision import mfu
 
     total = terms["total"]
     if got == total - terms["attention (QK^T, AV)"]:
@@ -52,7 +52,7 @@ def _diagnose(got, terms, config, batch_size, seq_len):
                "o, gate, up, down per layer, and the output head), attention 4 x batch x heads x seq^2 x head_dim per "
                "layer, SiLU tokens x intermediate per layer.")
 def _check_forward_flops(fn):
-    from dslab import mfu
+    from dslab.precision import mfu
 
     if not callable(fn):
         raise Mistake(f"answer with the function itself (answer = my_forward_flops), got {type(fn).__name__}")
@@ -72,7 +72,7 @@ def _check_forward_flops(fn):
 
 def _answer_without(config, batch_size, seq_len, term):
     """A learner's typical miss: the right count without one term (for the wrong answers above)."""
-    from dslab import mfu
+    from dslab.precision import mfu
 
     terms = mfu.forward_flops(config, batch_size, seq_len)
     return terms["total"] - terms[term]
@@ -95,7 +95,7 @@ expect("13.muon_bytes", 8.4, rel=1e-3,
        hint="every parameter keeps a master copy (4 bytes, fp32); on top, a Muon matrix keeps a momentum buffer in "
             "the gradients' dtype (bf16: 2 bytes), and ZeRO-1/2 keep a second, staged copy of it between steps "
             "(stage_1_and_2.py, _muon_staging_momentum); every other parameter keeps Adam's two fp32 moments "
-            "(8 bytes). Weigh the two by 0.9 and 0.1; dslab.memory.optimizer_bytes checks it.")
+            "(8 bytes). Weigh the two by 0.9 and 0.1; dslab.zero.memory.optimizer_bytes checks it.")
 
 
 # 13.bf16_states: the learner writes a ds_config whose optimizer states take 6 bytes per parameter on the
@@ -133,7 +133,7 @@ _BF16_STATES_WORDS = ("need offload_optimizer", "bf16 optimizer states need bf16
           hint="write a dict: bf16 enabled with bf16_master_weights_and_grads and bf16_optimizer_states both true, "
                "zero_optimization stage 2 without offload, a micro-batch size and an optimizer.")
 def _check_bf16_states(cfg, world_size=2):
-    from dslab import memory
+    from dslab.zero import memory
     require_valid_config(cfg, world_size)  # unknown keys (DeepSpeed ignores them), the batch triple, precision
     zero_cfg = cfg.get("zero_optimization") or {}
     stage = zero_cfg.get("stage", 0)
@@ -149,10 +149,10 @@ def _check_bf16_states(cfg, world_size=2):
         raise Mistake("the optimizer is offloaded: its states would sit in host memory; keep them on the accelerator")
     if not (_flag(cfg, "bf16_master_weights_and_grads") and _flag(cfg, "bf16_optimizer_states")):
         raise Mistake("this keeps the paper's fp32 master weights and Adam moments: 12 bytes per parameter, not 6")
-    from dslab import zero
+    from dslab.zero import runner
 
     try:
-        ran = zero.try_config(cfg)  # one optimizer step for real, on a fresh rank
+        ran = runner.try_config(cfg)  # one optimizer step for real, on a fresh rank
     except RuntimeError as exc:
         raise Mistake(f"DeepSpeed accepted the keys but the run failed: {exc}") from None
     held = ran["memory"]
@@ -168,7 +168,7 @@ def _check_bf16_states(cfg, world_size=2):
 # profile_step, one training step per batch, and on every rank the forward FLOPs the profiler counted (only rank 0
 # profiles: engine.py starts the profiler when global_steps == profile_step and global_rank == 0). Checked on 2 and 3
 # ranks: a small Qwen2 model, batches of a different length at every step and the step to profile, drawn now; the
-# count must be dslab.mfu.forward_flops of the profiled step's batch, exactly.
+# count must be dslab.precision.mfu.forward_flops of the profiled step's batch, exactly.
 PROFILE_TRIAL = f"{__name__}:profile_trial"
 
 
@@ -191,7 +191,7 @@ def draw_profile_case(world_size, rng=None):
 
 def profile_case_config(case):
     """The case's Qwen2 config."""
-    from dslab.models import tiny_config
+    from dslab.models.loading import tiny_config
 
     return tiny_config(**case["shape"])
 
@@ -201,8 +201,8 @@ def profile_trial(profiled_flops, case):
     batch (to tell which one it profiled)."""
     import torch
 
-    from dslab import mfu
-    from dslab.models import build_model
+    from dslab.precision import mfu
+    from dslab.models.loading import build_model
 
     config = profile_case_config(case)
     model = build_model(config, seed=case["seed"] % 1000)

@@ -68,7 +68,7 @@ def _device(zero, what):
 
 def check_config(answer, case):
     """In this process, before any rank starts: the learner's make_config for this case, as DeepSpeed reads it."""
-    from dslab.config_check import check_config as problems_of
+    from dslab.config.check import check_config as problems_of
 
     _, make_config, _ = functions(answer)
     micro, accum, world_size, lr = (case["micro_batch_size"], case["grad_accum_steps"], case["world_size"],
@@ -99,7 +99,7 @@ def check_config(answer, case):
                       f"train_batch_size {why}. Compute it from the arguments (or leave it out).")
     problems = problems_of(cfg, world_size=world_size, device="cpu")
     if problems:   # what DeepSpeed would refuse, or silently ignore
-        raise Mistake(f"dslab.config_check.check_config finds in {said}:\n  " + "\n  ".join(map(str, problems[:3])))
+        raise Mistake(f"dslab.config.check.check_config finds in {said}:\n  " + "\n  ".join(map(str, problems[:3])))
     if cfg.get("train_micro_batch_size_per_gpu", micro) != micro:
         raise Mistake(f"{said} gives train_micro_batch_size_per_gpu {cfg['train_micro_batch_size_per_gpu']}: each "
                       f"micro-batch train() receives holds {micro} rows; use the micro_batch_size argument")

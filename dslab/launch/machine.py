@@ -78,3 +78,27 @@ def tool(name):
     """This environment's command `name` (deepspeed, torchrun, ...) if it is there, else what PATH finds."""
     local = TOOLS_DIR / name
     return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def ensure_build_tools_on_path():
+    """Put the ninja installed with dslab first on PATH, for this process and every rank it starts; its path.
+
+    DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built, and builds with
+    whichever ninja comes first. A system ninja (1.11: build log v5) and pip's (1.13: log v7) cannot read each
+    other's build log, so processes that alternate between them (an activated venv here, a plain kernel there)
+    rebuild shm_comm and cpu_adam from scratch every time: a minute of CPU per launch. Called before anything
+    starts ranks or joins a process group (dslab.launch, dslab.live, dslab.dist.init), and by `dslab prepare`.
+    """
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != str(folder)]
+            os.environ["PATH"] = os.pathsep.join([str(folder), *rest])
+            return str(folder / "ninja")
+    return shutil.which("ninja")

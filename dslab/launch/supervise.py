@@ -15,12 +15,14 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dslab.dist import RESULT_DIR_ENV
 from dslab.files import atomic_write_text
 from dslab.launch import hang
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
-from dslab.launch.machine import gpu_count, remove_stale_shm_buffers
+from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers
 from dslab.messages import say
+
+# Where each rank leaves its JSON result (dslab.dist.save_result); launch sets it for every rank.
+RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
 
 # Lines DeepSpeed's own logger writes ("[2026-01-01 10:00:00,123] [INFO] [launch.py:...] ...") and the
 # JIT-build chatter: kept in the log, hidden from the learner unless stream="all".
@@ -77,6 +79,7 @@ def rank_environment(world_size, result_dir):
     # A launcher gives each rank its place itself; the place of the process starting it (a notebook kernel or a test
     # that ran DeepSpeed in-process has RANK=0, WORLD_SIZE=1, ...) must not reach the launcher, nor anything that
     # finds a job's ranks by their RANK variable (the hang watch).
+    ensure_build_tools_on_path()  # the ranks build DeepSpeed's ops with the ninja installed with dslab
     env = {k: v for k, v in os.environ.items() if k not in INHERITED_PLACE}
     env[RESULT_DIR_ENV] = str(result_dir)
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,6 +1,6 @@
 """Gradient accumulation in DeepSpeed: micro x accumulation x ranks sequences make one step, equal to one big batch."""
 from dslab import dist
-from dslab.accumulation import (batch_triples, hf_auto_batch, reference_step, small_lm, token_batch, window_runs,
+from dslab.training.accumulation import (batch_triples, hf_auto_batch, reference_step, small_lm, token_batch, window_runs,
                                 window_setups)
 
 args = dist.recipe_args(micro_batch_size=2, grad_accum_steps=4, seq_len=32, lr=0.1, seed=0)
@@ -13,7 +13,7 @@ per_rank = micro * gas
 mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in global_batch.items()}   # this rank's share
 
 # Each setup: one DeepSpeed optimizer step over this rank's share, compared with one process taking the
-# whole global batch (dslab.accumulation.engine_window shows the loop: engine(...), backward, step).
+# whole global batch (dslab.training.accumulation.engine_window shows the loop: engine(...), backward, step).
 runs = window_runs(base, mine, global_batch, window_setups(micro, gas), lr=args.lr)
 _, reference_grad_norm = reference_step(base, global_batch, args.lr)
 

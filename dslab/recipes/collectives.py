@@ -3,7 +3,8 @@ import os
 
 import torch
 
-from dslab import comm, dist
+from dslab import dist
+from dslab.comm import wire
 
 args = dist.recipe_args(numel=4)   # values per rank; divisible by world_size, for reduce-scatter
 rank, world_size = dist.init()     # deepspeed.init_distributed(): gloo on CPU, nccl on NVIDIA GPUs
@@ -19,7 +20,7 @@ if device != "cpu":
     get_accelerator().set_device(local_rank)
 
 x = torch.arange(args.numel, dtype=torch.float32, device=device) + 10 * rank   # rank r holds [10r, 10r+1, ...]
-out = {"rank": rank, "input": x.tolist(), "backend": torch_dist.get_backend(), "env": comm.launcher_env()}
+out = {"rank": rank, "input": x.tolist(), "backend": torch_dist.get_backend(), "env": wire.launcher_env()}
 
 b = x.clone()
 ds_comm.broadcast(b, src=0)                 # rank 0's tensor overwrites everyone's

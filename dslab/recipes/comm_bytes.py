@@ -4,10 +4,11 @@ import io
 
 import torch
 
-from dslab import comm, comm_bytes, dist
-from dslab.models import build_model, tiny_config
+from dslab import dist
+from dslab.comm import step_bytes, wire
+from dslab.models.loading import build_model, tiny_config
 
-# ds_configs: one DeepSpeed config per setup, run one after another (dslab.comm_bytes.comm_config builds them with
+# ds_configs: one DeepSpeed config per setup, run one after another (dslab.comm.step_bytes.comm_config builds them with
 # "comms_logger": {"enabled": true, "prof_all": true}). ddp: also measure torch DDP, once per no_sync value listed.
 args = dist.recipe_args(ds_configs=[], shape={}, seq_len=32, warmup_steps=2, seed=0, ddp=[], ddp_micro_steps=2,
                         ddp_precision="fp32")
@@ -27,12 +28,12 @@ for ds_config in args.ds_configs:
     for step in range(args.warmup_steps + 1):   # warm-up steps first: ZeRO-3 records its fetch order in step 1
         if step == args.warmup_steps:           # the measured step: empty the comms log, read the byte counter
             ds_comm.reset_log()
-            before = comm.bytes_written()
+            before = wire.bytes_written()
         for _ in range(engine.gradient_accumulation_steps()):
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()                       # the optimizer step runs at the last micro-step only
-    sent = comm.bytes_written() - before        # every byte this process wrote: gloo's sockets, nothing else
+    sent = wire.bytes_written() - before        # every byte this process wrote: gloo's sockets, nothing else
     with contextlib.redirect_stdout(io.StringIO()):   # log_summary prints a table on rank 0; we keep the dict
         summary = ds_comm.log_summary(return_dict=True)["summary"]
     logged = {op: {int(size): rec["count"] for size, rec in sizes.items()}
@@ -41,7 +42,7 @@ for ds_config in args.ds_configs:
     dist.print0(f"ZeRO-{engine.zero_optimization_stage()}: rank 0 sent {sent:,} bytes in one optimizer step")
     engine.destroy()
 
-ddp = [comm_bytes.ddp_step_bytes(args.shape, no_sync, args.ddp_micro_steps, args.ddp_precision, seq_len=args.seq_len,
+ddp = [step_bytes.ddp_step_bytes(args.shape, no_sync, args.ddp_micro_steps, args.ddp_precision, seq_len=args.seq_len,
                                  warmup_steps=args.warmup_steps, seed=args.seed) for no_sync in args.ddp]
 dist.save_result({"rank": rank, "world_size": world_size, "numels": numels if runs else None, "runs": runs,
                   "ddp": ddp})

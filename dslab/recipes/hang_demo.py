@@ -9,7 +9,8 @@ import deepspeed
 import deepspeed.comm as ds_comm
 import torch
 
-from dslab import dist, models
+from dslab import dist
+from dslab.models import loading
 
 CASES = ("skip_allreduce", "zero3_generate")
 args = dist.recipe_args(case="skip_allreduce", synced_gpus=False, model=None)
@@ -27,8 +28,8 @@ if args.case == "skip_allreduce":
 
 if args.case == "zero3_generate":
     ds_config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=models.load_model(args.model), config=ds_config)
-    tokenizer = models.load_tokenizer(args.model)
+    engine, *_ = deepspeed.initialize(model=loading.load_model(args.model), config=ds_config)
+    tokenizer = loading.load_tokenizer(args.model)
     prompt = tokenizer("The weather today", return_tensors="pt")
     # Under ZeRO-3 each rank holds 1/world_size of every weight: every forward pass all-gathers each layer's
     # weights from all ranks, so all ranks must run the same number of passes. Rank 0 asks for 4 new tokens and

@@ -3,7 +3,8 @@ import socket
 
 import torch
 
-from dslab import comm, dist
+from dslab import dist
+from dslab.comm import wire
 
 args = dist.recipe_args()          # this recipe takes no arguments
 rank, world_size = dist.init()     # join the process group the launcher prepared (gloo on CPU, nccl on GPU)
@@ -25,5 +26,5 @@ dist.save_result({
     "accelerator": get_accelerator().device_name(),   # what DeepSpeed picked: "cpu" or "cuda"
     "backend": torch_dist.get_backend(),              # the communication library: gloo, nccl, ...
     "host": socket.gethostname(),
-    "env": comm.launcher_env(),                       # RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
+    "env": wire.launcher_env(),                       # RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
 })

@@ -13,12 +13,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, Trainer,
                           TrainingArguments, set_seed)
 
-from dslab import hf_bridge, models, sft
+from dslab.models import loading
+from dslab.training import hf_bridge, sft
 
 
 @dataclass
 class ScriptArguments:
-    model: str = field(default_factory=models.resolve_model)  # dslab-tiny, $DSLAB_MODEL, or a hub id
+    model: str = field(default_factory=loading.resolve_model)  # dslab-tiny, $DSLAB_MODEL, or a hub id
     model_name: list[str] = field(default_factory=lambda: list(sft.DEFAULT_NAME))  # zh en, like ms-swift's
     model_author: list[str] = field(default_factory=lambda: list(sft.DEFAULT_AUTHOR))  # --model_name/--model_author
     lora_r: int = 16

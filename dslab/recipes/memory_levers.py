@@ -1,5 +1,6 @@
 """Train under several ds_configs (Adam, Muon, bf16 master weights / states) and read what each rank keeps."""
-from dslab import dist, optimizer_states
+from dslab import dist
+from dslab.zero import optimizer_states
 
 # setups: [{"name": ..., "ds_config": {...}}, ...], run one after another on the same ranks (chapter 13)
 args = dist.recipe_args(setups=[], steps=2, seq_len=32, seed=0)

@@ -5,12 +5,14 @@ import time
 import deepspeed
 from peft import get_peft_model_state_dict
 
-from dslab import checkpoints, dist, lora, models, sft, train
+from dslab import dist
+from dslab.models import checkpoints, loading, lora
+from dslab.training import loop, sft
 
-args = dist.recipe_args(**sft.RECIPE_DEFAULTS)  # every option of `dslab sft`, listed in dslab/sft.py
+args = dist.recipe_args(**sft.RECIPE_DEFAULTS)  # every option of `dslab sft`, listed in dslab/training/sft.py
 rank, world_size = dist.init()
 dist.seed_all(args.seed)  # the same LoRA initialisation on every rank
-tokenizer, model = models.load_tokenizer(args.model), models.load_model(args.model)
+tokenizer, model = loading.load_tokenizer(args.model), loading.load_model(args.model)
 if not args.full:  # freeze W, train only A and B: W x + (alpha/r)·B·A x
     model = lora.attach_lora(model, r=args.lora_r, alpha=args.lora_alpha, target_modules=args.target_modules)
 if args.gradient_checkpointing:
@@ -34,7 +36,7 @@ activation_bytes = sft.activation_bytes(engine.module, probe)
 log_every = args.log_every or max(1, steps // 8)
 
 
-def on_step(step, loss):  # train.train counts from 1; a resumed run had already done `start` steps
+def on_step(step, loss):  # loop.train counts from 1; a resumed run had already done `start` steps
     step += start
     if step % log_every == 0 or step == steps:
         dist.print0(f"step {step:>4}/{steps}  loss {loss:.3f}")
@@ -48,7 +50,7 @@ t0 = time.perf_counter()
 # per_token: the step's loss is the mean over every label token of all its micro-batches and ranks, as in
 # chapter 05's train_sft.py: every answer token weighs the same, whichever micro-batch or rank it lands in.
 log = [dict(e, step=e["step"] + start)
-       for e in train.train(engine, batches, steps - start, progress=False, on_step=on_step, per_token=True)]
+       for e in loop.train(engine, batches, steps - start, progress=False, on_step=on_step, per_token=True)]
 train_seconds = time.perf_counter() - t0
 model_states = sft.model_states(engine)  # bytes this rank holds for the model (measured, as in chapter 04)
 if args.full:

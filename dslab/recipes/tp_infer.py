@@ -4,7 +4,9 @@ import os
 
 import deepspeed
 
-from dslab import dist, models, tp_infer
+from dslab import dist
+from dslab.models import loading
+from dslab.parallel import tp_infer
 
 args = dist.recipe_args(prompts=[], model=None, adapter=None, dtype="fp32", kernel_inject=False,
                         max_new_tokens=64, chat=False, system=None, temperature=0.0, benchmark_tokens=0, seed=0,
@@ -13,22 +15,22 @@ rank, world_size = dist.init()
 dist.seed_all(args.seed)  # sampling (temperature > 0) then draws the same tokens on every rank
 prompts = tp_infer.same_prompts_on_every_rank(args.prompts)  # raises on every rank if any rank differs
 # A LoRA adapter is merged first: AutoTP splits plain linear layers, not LoRA wrappers.
-model = models.load_model(args.model, adapter=args.adapter, dtype=args.dtype, merge_adapter=True)
-tokenizer = models.load_tokenizer(args.model, adapter=args.adapter)
+model = loading.load_model(args.model, adapter=args.adapter, dtype=args.dtype, merge_adapter=True)
+tokenizer = loading.load_tokenizer(args.model, adapter=args.adapter)
 policy = tp_infer.autotp_policy(model)  # what AutoTP's parser decided, before it splits anything
 if args.kernel_inject:
     tp_infer.check_kernel_inject(model, args.dtype)  # a GPU and a model family with an injection policy
 
 # The whole inference config; every field not named keeps DeepSpeed's default. dtype must be given on a CPU:
 # init_inference defaults to float16, which the CPU accelerator refuses.
-ds_config = {"tensor_parallel": {"tp_size": world_size}, "dtype": models.DTYPES[args.dtype],
+ds_config = {"tensor_parallel": {"tp_size": world_size}, "dtype": loading.DTYPES[args.dtype],
              "replace_with_kernel_inject": args.kernel_inject}
 dist.print0(json.dumps(ds_config, indent=2, sort_keys=True))
 # Every rank loads the whole model, then keeps only its slice of each linear layer (tp_size = world size).
 # init_inference print()s AutoTP's policy on every rank, in an order that varies: kept out of the output.
 with tp_infer.captured_output():
     engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": world_size},
-                                      dtype=models.torch_dtype(args.dtype),
+                                      dtype=loading.torch_dtype(args.dtype),
                                       replace_with_kernel_inject=args.kernel_inject)
 out = tp_infer.generate_with_logits(engine.module, tokenizer, prompts, args.max_new_tokens, chat=args.chat,
                                     temperature=args.temperature, system=args.system)

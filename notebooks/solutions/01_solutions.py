@@ -1,7 +1,7 @@
 """Instructor solutions for notebooks/01_distributed_basics.ipynb (checked by tests/test_exercises.py)."""
 import torch
 
-from dslab import comm
+from dslab.comm import wire
 
 # 01.reduce_scatter: 4 ranks, rank r holds arange(8) + r. The sum is 4*arange(8) + 6; rank 2 keeps chunk 2.
 world_size = 4
@@ -9,7 +9,7 @@ total = sum(torch.arange(8.0) + r for r in range(world_size))
 reduce_scatter_rank2 = total.chunk(world_size)[2]
 
 # 01.ring_gb: 7e9 bf16 gradients (2 bytes each) on 8 ranks.
-ring_gb = comm.ring_allreduce_bytes(7e9 * 2, 8) / 1e9
+ring_gb = wire.ring_allreduce_bytes(7e9 * 2, 8) / 1e9
 
 # 01.dp_group: TP groups of 2 consecutive ranks; a DP group takes the same position from each TP group.
 tp, ranks = 2, range(8)

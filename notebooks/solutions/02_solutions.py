@@ -1,11 +1,11 @@
 """Instructor solutions for notebooks/02_mixed_precision.ipynb (checked by tests/test_exercises.py)."""
-from dslab import precision
+from dslab.precision import formats
 
 # 02.fp16_fates: 70000 > 65504 -> inf; 1e-9 < 2^-25 (half the smallest subnormal) -> 0;
 # 3e-6 lies between the smallest subnormal (6e-8) and the smallest normal (6.1e-5);
 # 1 + 2^-12 is closer to 1.0 than to 1 + 2^-10 (fp16's next value) -> rounded to 1.0.
 fates = ["overflow", "underflow", "subnormal", "rounded"]
-assert fates == [precision.fate(v, "fp16") for v in precision.FP16_FATE_VALUES]
+assert fates == [formats.fate(v, "fp16") for v in formats.FP16_FATE_VALUES]
 
 # 02.deepspeed_scale: flags F T F T T F F F F, start 2^12, window 2, hysteresis 2.
 # step 1: overflow, hysteresis 2 -> 1, scale stays 4096 (step skipped)
@@ -15,7 +15,7 @@ deepspeed_scale = 2048.0
 
 # 02.bf16_min_update: 7 stored mantissa bits -> the gap above 1.0 is 2^-7; 2^-8 is a tie that rounds to 1.0.
 bf16_min_update = 2.0**-7
-assert precision.cast(1 + bf16_min_update, "bf16") != 1.0 and precision.cast(1 + 2.0**-8, "bf16") == 1.0
+assert formats.cast(1 + bf16_min_update, "bf16") != 1.0 and formats.cast(1 + 2.0**-8, "bf16") == 1.0
 
 
 

@@ -2,7 +2,7 @@
 import runpy
 from pathlib import Path
 
-from dslab import memory
+from dslab.zero import memory
 
 # 04.zero2_gb: 13B parameters, ZeRO-2 on 16 GPUs: 2Ψ (whole 16-bit weights) + 14Ψ/16 (partitioned rest).
 zero2_gb = memory.theory(13e9, world_size=16, zero_stage=2)["total"] / 1e9

@@ -1,7 +1,7 @@
 """Instructor solutions for notebooks/07_inference.ipynb (checked by tests/test_exercises.py)."""
-from dslab import models
+from dslab.models import loading
 
-config = models.tiny_config()
+config = loading.tiny_config()
 
 # 07.allreduces_per_token: AutoTP closes attention (o_proj) and the MLP (down_proj) with one all-reduce each.
 allreduces_per_token = 2 * config.num_hidden_layers

@@ -1,5 +1,5 @@
 """Instructor solutions for notebooks/08_cli_and_multinode.ipynb (checked by tests/test_exercises.py)."""
-from dslab import multinode
+from dslab.launch import multinode
 
 # 08.world_size: resolve the filter with DeepSpeed's own runner code, then count the slots.
 active = multinode.resolve(multinode.EXAMPLE_HOSTFILE, include="worker-0:0,1@worker-1")

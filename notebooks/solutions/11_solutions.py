@@ -6,7 +6,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.sequence.layer import DistributedAttention
 from deepspeed.utils import groups
 
-from dslab import pipeline
+from dslab.parallel import pipeline
 
 # 11.bubble: 4 stages, 12 micro-batches: (p - 1) / (m + p - 1).
 bubble = pipeline.bubble_fraction(micro_batches=12, stages=4)

@@ -2,7 +2,7 @@
 import deepspeed
 import torch
 
-from dslab import memory
+from dslab.zero import memory
 
 
 # 13.forward_flops: what DeepSpeed's flops profiler counts for one forward pass of a Qwen2-style model.

@@ -4,7 +4,7 @@ A JupyterLab server starts on a free localhost port with its own settings (autos
 notebook is never written), opens notebooks/04_zero.ipynb, runs only the import cell (which starts 2 live ranks)
 and the two widget cells, then picks stages and offload from the widget as a learner would and reads the chart
 back from the page: every bar is an SVG <rect> with data-rank / data-kind / data-part / data-bytes (see
-dslab/widgets.py). Each change re-initializes DeepSpeed on the live ranks and re-measures: new measured bars must
+dslab/zero/widgets.py). Each change re-initializes DeepSpeed on the live ranks and re-measures: new measured bars must
 appear within 10 s. Screenshots go to tests/browser/screenshots/zero_widget_*.png (gitignored).
 """
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support import BROWSER_SKIPS, CHROMIUM, CHROMIUM_ARGS, jupyterlab_server, sync_playwright
 
-from dslab.widgets import STAGES
+from dslab.zero.widgets import STAGES
 
 STAGE_LABELS = {stage: label for label, stage in STAGES}  # the dropdown's option texts
 

@@ -10,10 +10,10 @@ def single_process_world():
     """This process as rank 0 of a world of one on GPU 0 (what a notebook kernel does in chapter 02)."""
     import torch
 
-    from dslab import train
+    from dslab import dist
 
     torch.cuda.set_device(0)
-    train.init_single_process(quiet=True)
+    dist.init_single_process(quiet=True)
 
 
 @pytest.mark.gpus(1)
@@ -87,7 +87,8 @@ def test_kernel_injection_replaces_the_blocks_and_keeps_the_logits(single_proces
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dslab import models, tp_infer
+    from dslab.models import loading
+    from dslab.parallel import tp_infer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -104,7 +105,7 @@ def test_kernel_injection_replaces_the_blocks_and_keeps_the_logits(single_proces
     with torch.no_grad():
         logits = engine.module(input_ids=ids).logits.float()
     assert (logits - reference).abs().max().item() < 5e-2 * reference.abs().max().item()
-    problem = tp_infer.kernel_inject_problem(models.load_model(dtype="fp16"), "fp16")
+    problem = tp_infer.kernel_inject_problem(loading.load_model(dtype="fp16"), "fp16")
     assert problem and "no kernel-injection policy" in problem and "Qwen2DecoderLayer" in problem
 
 

@@ -1,0 +1,379 @@
+"""Supervised fine-tuning (LoRA or full) on N ranks through DeepSpeed: chat data -> each rank's batches, the
+DeepSpeed config, and `run`, which checks everything before it launches dslab/recipes/sft.py on the ranks.
+The last section holds what chapter 05 measures on those ranks (activations, checkpointing cost, model states).
+
+Checkpoints and resuming: dslab.models.checkpoints. The training loop: dslab.training.loop. The command: dslab.cli.sft.
+"""
+import json
+import threading
+import time
+from pathlib import Path
+
+from dslab import data, files
+from dslab.models import checkpoints
+from dslab.models.lora import DEFAULT_TARGETS
+from dslab.messages import say
+
+DEFAULT_DATA = data.DATA_DIR / "self_cognition.jsonl"
+DEFAULT_NAME = ("小海", "Xiao Hai")  # (zh, en), like ms-swift's --model_name
+DEFAULT_AUTHOR = ("蓝天学院", "Blue Sky Lab")  # (zh, en), like ms-swift's --model_author
+# Every option of dslab/recipes/sft.py with its default. `run` passes only the ones that differ, so the
+# deepspeed command it prints stays short enough to read (and to copy to a cluster).
+RECIPE_DEFAULTS = dict(
+    model=None, data=None, output=None, zero_stage=2, full=False, epochs=12, lr=None, micro_batch_size=8,
+    grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=list(DEFAULT_TARGETS), model_name=list(DEFAULT_NAME),
+    model_author=list(DEFAULT_AUTHOR), mix_general=None, max_length=256, gradient_checkpointing=False,
+    deepspeed_config=None, save_every=0, checkpoint_dir=None, resume=None, seed=0, log_every=None, progress_file=None)
+
+
+class SFTError(ValueError):
+    """A fine-tuning run that cannot start as asked; the message says how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: chats -> token ids with the prompt masked -> each rank's batches
+# ----------------------------------------------------------------------------------------------------
+def load_chats(files=None, name=DEFAULT_NAME, author=DEFAULT_AUTHOR, mix_general=None, seed=0):
+    """Chats ({"messages", "lang"}) from jsonl files, {name}/{author} filled, mixed with general dialogue.
+
+    Files hold either {"query", "response"} rows (self-cognition style) or {"messages": [...]} rows.
+    name, author: a str for both languages, or (zh, en) (see data.name_pair).
+    mix_general: how many general-dialogue chats to add (None: as many as the files gave; 0: none),
+    so identity tuning does not turn every answer into the identity.
+    """
+    import random
+
+    name, author = data.name_pair(name), data.name_pair(author)
+    chats = []
+    for path in [files] if isinstance(files, (str, Path)) else (files or [DEFAULT_DATA]):
+        rows = data.load_jsonl(path)
+        for i, row in enumerate(rows):
+            lang = row.get("lang", "en")
+            if "messages" in row:
+                messages = row["messages"]
+            elif "query" in row and "response" in row:
+                messages = [{"role": "user", "content": row["query"]}, {"role": "assistant", "content": row["response"]}]
+            else:
+                raise data.DataError(say("sft.row_format", path=path, row=i + 1))
+            text = json.dumps(messages, ensure_ascii=False)
+            if ("{name}" in text or "{author}" in text) and (name is None or author is None):
+                raise data.DataError(say("sft.placeholders", path=path))
+            if name is not None:
+                messages = [{**m, "content": data.fill_placeholders(m["content"], name, author, lang)} for m in messages]
+            chats.append({"messages": messages, "lang": lang})
+    n_general = len(chats) if mix_general is None else int(mix_general)
+    if n_general:
+        chats += data.general_sft(limit=n_general)
+    random.Random(seed).shuffle(chats)
+    return chats
+
+
+def tokenize(tokenizer, chats, max_length=256):
+    """SFT examples: input_ids + labels with the prompt masked (IGNORE_INDEX), from the tokenizer's chat template."""
+    return [data.sft_example(tokenizer, c["messages"], max_length=max_length) for c in chats]
+
+
+def label_runs(tokenizer, example):
+    """The example as runs of (supervised?, text, n_tokens): what the loss sees and what it skips (IGNORE_INDEX)."""
+    runs = []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        learned = label != data.IGNORE_INDEX
+        if runs and runs[-1][0] == learned:
+            runs[-1][1].append(token)
+        else:
+            runs.append((learned, [token]))
+    return [(learned, tokenizer.decode(tokens), len(tokens)) for learned, tokens in runs]
+
+
+def rank_batches(examples, rank, world_size, micro_batch_size, pad_id, seed=0, skip=0):
+    """This rank's endless batch iterator: its own slice of the data (data parallelism), reshuffled each epoch."""
+    shard = examples[rank::world_size]
+    batches = data.sft_batches(shard, micro_batch_size, pad_id, seed=seed)
+    for _ in range(skip):  # resuming: the batches consumed before the checkpoint
+        next(batches)
+    return batches
+
+
+def total_steps(n_examples, world_size, micro_batch_size, grad_accum_steps, epochs):
+    """Optimizer steps for `epochs` passes: each rank sees its shard once per epoch."""
+    shard = n_examples // world_size
+    return epochs * max(1, shard // micro_batch_size // grad_accum_steps)
+
+
+def default_lr(full):
+    """Peak learning rate: LoRA's small fresh matrices take a larger step than a whole pretrained model."""
+    return 3e-4 if full else 2e-3
+
+
+# ----------------------------------------------------------------------------------------------------
+# DeepSpeed config
+# ----------------------------------------------------------------------------------------------------
+def deepspeed_config(zero_stage=2, world_size=2, micro_batch_size=8, grad_accum_steps=1, lr=2e-3, steps=100,
+                     precision="bf16", offload_optimizer=False):
+    """The config `dslab sft` passes to deepspeed.initialize when no --deepspeed file is given."""
+    from dslab.config.build import make_config
+
+    extra = {
+        # torch's AdamW: no JIT-built op needed on CPU; offload needs DeepSpeed's CPU Adam instead
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
+                                                  **({} if offload_optimizer else {"torch_adam": True})}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_num_steps": max(1, steps // 20),
+                                                           "warmup_type": "linear", "cos_min_ratio": 0.1}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10 ** 9,  # the recipe prints its own loss log
+    }
+    return make_config(zero_stage=zero_stage, offload_optimizer=offload_optimizer, precision=precision,
+                       micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
+                       world_size=world_size, lr=lr, **extra)
+
+
+def read_deepspeed_file(path, world_size):
+    """A ready DeepSpeed JSON config, checked for this world size before any rank starts (ConfigError if not)."""
+    from dslab.config import build, check
+
+    if not Path(path).is_file():
+        raise SFTError(say("config.no_file", file=f"--deepspeed {path}", bundled="dslab/config/presets/*.json"))
+    return check.validate(build.load_config(path), world_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run: check everything, then launch the recipe on N ranks
+# ----------------------------------------------------------------------------------------------------
+def log_dir(output):
+    """Where a run writing `output` keeps its per-rank logs: OUTPUT-logs, beside it (as OUTPUT-checkpoints)."""
+    return Path(f"{str(output).rstrip('/')}-logs")
+
+
+def write_progress(path, step, loss):
+    """Rank 0's step counter for the progress bar of the launching process (replaced atomically)."""
+    files.atomic_write_json(path, {"step": step, "loss": loss})
+
+
+def _progress_bar(path, steps, stop):
+    """A tqdm bar in this process, fed by the step counter rank 0 writes (ranks have no terminal)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc="sft", unit="step")
+    while not stop.is_set():
+        time.sleep(0.5)
+        try:
+            state = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        bar.n = state["step"]
+        bar.set_postfix(loss=f"{state['loss']:.3f}", refresh=False)
+        bar.refresh()
+    bar.close()
+
+
+def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=12, lr=None,
+        micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=DEFAULT_TARGETS,
+        model_name=DEFAULT_NAME, model_author=DEFAULT_AUTHOR, mix_general=None, max_length=256,
+        gradient_checkpointing=False, deepspeed=None, save_every=0, checkpoint_dir=None, resume=None, seed=0,
+        log_every=None, progress=False, timeout=None, stream=None):
+    """Check the inputs, run dslab/recipes/sft.py on `world_size` ranks, return rank 0's result dict.
+
+    Everything that can be wrong before training (data files, an unwritable output, a bad --deepspeed
+    file, a checkpoint from another world size) raises here, before any rank starts.
+    Beside `output` go the run's per-rank logs (OUTPUT-logs) and, with save_every, its checkpoints
+    (checkpoint_dir, default OUTPUT-checkpoints). resume: a checkpoint directory, or the --output of the
+    run that wrote it. progress: total steps, to draw a tqdm bar in this process (False: none).
+    """
+    from dslab import launch
+    from dslab.models import loading
+
+    # DataError for three names, before anything starts
+    model_name, model_author = _listed(model_name, "--model-name"), _listed(model_author, "--model-author")
+    data_files = None
+    if data is not None:
+        data_files = [str(f) for f in ([data] if isinstance(data, (str, Path)) else data)]
+        for f in data_files:
+            if not Path(f).is_file():
+                raise SFTError(say("data.no_file", path=f"--data {f}"))
+        # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
+        load_chats(data_files, model_name, model_author, mix_general, seed)
+    files.check_writable(output)  # before minutes of training, not after
+    # A full model is about the base's weight files; an adapter is smaller. A checkpoint holds fp32 master
+    # weights and two Adam moments of what trains: up to 7x the bf16 weight files for a full fine-tune.
+    weights = sum(f.stat().st_size for f in Path(loading.resolve_model(model)).glob("*.safetensors"))
+    files.check_free_space(output, weights)
+    if save_every:
+        checkpoint_dir = str(checkpoint_dir or checkpoints.default_dir(output))
+        files.check_writable(checkpoint_dir, "--checkpoint-dir")
+        files.check_free_space(checkpoint_dir, weights * (7 if full else 1), "--checkpoint-dir")
+    if resume:  # fails now if there is nothing to resume; another world size: converted here, once
+        resume = str(checkpoints.find_checkpoints(resume))
+        checkpoints.check_resume(resume, world_size, zero_stage, world_size * micro_batch_size * grad_accum_steps)
+    if deepspeed:
+        read_deepspeed_file(deepspeed, world_size)  # ConfigError naming each problem and its fix
+    options = dict(model=model, data=data_files, output=str(output), zero_stage=zero_stage, full=full, epochs=epochs,
+                   lr=lr, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, lora_r=lora_r,
+                   lora_alpha=lora_alpha, target_modules=list(target_modules), model_name=model_name,
+                   model_author=model_author, mix_general=mix_general, max_length=max_length,
+                   gradient_checkpointing=gradient_checkpointing, deepspeed_config=deepspeed, save_every=save_every,
+                   checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, log_every=log_every)
+    always = ("output", "zero_stage", "epochs")  # shown even at their defaults: they define the run
+    kwargs = {k: v for k, v in options.items() if k in always or v != RECIPE_DEFAULTS[k]}
+    stop, bar, progress_file = threading.Event(), None, None
+    if progress:
+        progress_file = str(Path(output).resolve().parent / f".{Path(output).name}.progress.json")
+        kwargs["progress_file"] = progress_file
+        bar = threading.Thread(target=_progress_bar, args=(progress_file, progress, stop), daemon=True)
+        bar.start()
+    try:
+        result = launch.run("sft", world_size=world_size, timeout=timeout, stream=stream, run_dir=log_dir(output),
+                            **kwargs)
+    finally:
+        stop.set()
+        if bar is not None:
+            bar.join()
+            Path(progress_file).unlink(missing_ok=True)
+    return result.rank0
+
+
+def _listed(value, option):
+    """A name or author as the recipe's command line carries it: a list of one or two (checked by data.name_pair)."""
+    value = data.name_pair(value, option)
+    return value if value is None else [value] if isinstance(value, str) else list(value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What chapter 05 measures on the ranks (the training itself does not need any of it)
+# ----------------------------------------------------------------------------------------------------
+def activation_bytes(model, batch):
+    """Bytes of the tensors autograd keeps from forward for backward (weights excluded), for one batch.
+
+    A saved_tensors_hooks pack hook sees every tensor an op stores for its backward; storages are counted
+    once, and parameters (which live anyway) are skipped: the idea of chapter 03's ActivationMeter, except
+    that the parameter storages are read at each save, because ZeRO-3 gathers weights into fresh buffers
+    during forward.
+    """
+    import torch
+
+    kept = {}
+
+    def pack(t):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # ZeRO-3 gathers during forward
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch)
+    del out  # the graph (and everything it kept) is freed here
+    return sum(kept.values())
+
+
+def checkpointing_cost(model, batch, repeats=3):
+    """{"activation_bytes", "layer_forwards", "seconds"} of one training step (forward + backward).
+
+    layer_forwards counts decoder-layer forward calls: with checkpointing each layer runs twice
+    (once in forward, once recomputed in backward); that recomputation is the speed cost.
+    """
+    import re
+
+    # Count each decoder layer's MLP: it runs inside the layer's forward, also when checkpointing recomputes
+    # it (a hook on the layer itself sees only the outer call in transformers' checkpointing wrapper).
+    layers = [m for n, m in model.named_modules() if re.search(r"layers\.\d+$", n)]
+    calls = [0]
+    hooks = [getattr(layer, "mlp", layer).register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+             for layer in layers]
+    try:
+        nbytes = activation_bytes(model, batch)
+        calls[0] = 0
+        model(**batch).loss.backward()
+        forwards = calls[0]
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model(**batch).loss.backward()
+        seconds = (time.perf_counter() - start) / repeats
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return {"activation_bytes": nbytes, "layer_forwards": forwards, "seconds": seconds}
+
+
+def model_states(engine):
+    """Bytes of parameters, gradients and optimizer states this rank holds (dslab.zero.engine_memory, chapter 04)."""
+    try:
+        from dslab.zero import engine_memory
+    except ImportError:  # the ZeRO chapter's module is optional here
+        return None
+    measured = engine_memory.measure_engine(engine)
+    return {part: measured[part] for part in ("params", "grads", "optimizer", "buffers")}
+
+
+# What each rank reports of its environment (chapter 08 compares what the launchers set).
+REPORTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK",
+                      "CUDA_VISIBLE_DEVICES", "MASTER_ADDR")
+
+
+def report(engine, examples, tokenizer, loss_log, steps, start_step=0):
+    """What chapter 05 measures on a rank of train_sft.py, saved for dslab.launch to collect; a no-op when the
+    script runs outside dslab.launch (on a cluster), so the measurements stay out of the training itself."""
+    import os
+
+    from dslab import dist
+    from dslab.models import lora
+
+    if not os.environ.get(dist.RESULT_DIR_ENV):
+        return
+    import torch.distributed as tdist
+
+    probe = next(rank_batches(examples, 0, 1, engine.train_micro_batch_size_per_gpu(), tokenizer.pad_token_id))
+    dist.save_result({"rank": tdist.get_rank(), "world_size": tdist.get_world_size(),
+                      "zero_stage": engine.zero_optimization_stage(), "steps": steps, "start_step": start_step,
+                      "examples": len(examples), "loss_log": loss_log,
+                      "final_loss": loss_log[-1]["loss"] if loss_log else None,
+                      "activation_bytes": activation_bytes(engine.module, probe),  # one micro-batch, same on every rank
+                      "model_states": model_states(engine), **lora.trainable_summary(engine.module),
+                      "env": {k: os.environ.get(k) for k in REPORTED_VARIABLES}})
+
+
+def checkpointing_table(micro_batch_size=8):
+    """Chapter 05's gradient-checkpointing measurement as table rows (for the slides): dslab-tiny with the default
+    LoRA, one micro-batch of the SFT data, with and without checkpointing."""
+    from dslab.models import loading, lora
+
+    tokenizer = loading.load_tokenizer()
+    batch = next(rank_batches(tokenize(tokenizer, load_chats()), 0, 1, micro_batch_size, tokenizer.pad_token_id))
+    model = lora.attach_lora(loading.load_model()).train()
+    rows = []
+    for setup in ("plain", "gradient checkpointing"):
+        if setup != "plain":
+            lora.enable_gradient_checkpointing(model)
+        cost = checkpointing_cost(model, batch, repeats=1)
+        rows.append({"setup": setup, "activations kept (MiB)": round(cost["activation_bytes"] / 2 ** 20, 2),
+                     "decoder-layer forwards per step": cost["layer_forwards"]})
+    return rows
+
+
+def lora_vs_full_states(world_size=2, zero_stage=2):
+    """Model-state bytes per rank, LoRA vs full fine-tune of dslab-tiny (the formulas chapter 05 checks against
+    the ranks' measurements): every weight stays in bf16, gradients and Adam states exist only for trainable ones."""
+    from dslab.models import loading, lora
+    from dslab.zero import memory
+
+    counts = lora.trainable_summary(lora.attach_lora(loading.load_model()))
+    rows = []
+    for setup, trainable, weights in (("full fine-tune", counts["frozen"], counts["frozen"]),
+                                      ("LoRA r=16", counts["trainable"], counts["total"])):
+        states = memory.theory(trainable, world_size=world_size, zero_stage=zero_stage)
+        rows.append({"setup": setup, "trainable": trainable, "weights (MiB)": round(2 * weights / 2 ** 20, 2),
+                     "gradients (MiB)": round(states["grads"] / 2 ** 20, 2),
+                     "optimizer states (MiB)": round(states["optimizer"] / 2 ** 20, 2)})
+    return rows
+
+
+def text_perplexity(model, tokenizer, n_blocks=16, seq_len=256):
+    """Perplexity on held-out pretraining text (data/corpus/valid.txt): how much general language survives."""
+    import math
+
+    from dslab.training import loop
+
+    docs = data.read_corpus(data.CORPUS_DIR / "valid.txt")
+    blocks = data.lm_blocks(tokenizer, docs[: 4 * n_blocks], seq_len)[:n_blocks]
+    return math.exp(loop.evaluate_loss(model, ({"input_ids": b, "labels": b} for b in blocks.split(8))))
