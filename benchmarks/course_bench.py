@@ -229,8 +229,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
 
-    from dslab import dist
-    dist.quiet()
+    from dslab import this_rank
+    this_rank.quiet()
     info = machine()
     load_before = os.getloadavg()
     started = time.perf_counter()

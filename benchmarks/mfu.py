@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.precision import mfu
 from dslab.config.build import make_config
 from dslab.models.loading import load_model
 
-args = dist.recipe_args(micro_batch_size=4, seq_len=128, rounds=4, warmup=2, seed=0)
-rank, world_size = dist.init()
+args = this_rank.recipe_args(micro_batch_size=4, seq_len=128, rounds=4, warmup=2, seed=0)
+rank, world_size = this_rank.init()
 
 import deepspeed
 
-dist.quiet()
+this_rank.quiet()
 profile_file = Path(tempfile.mkdtemp(prefix="dslab-mfu-")) / "flops_profile.txt"
 g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own micro-batch
 
@@ -75,6 +75,6 @@ for name in engines:
     achieved = mfu.TRAIN_FACTOR * forward / fastest / 1e9
     result["runs"][name] = {"step_seconds": fastest, "achieved_gflops": achieved, "ceiling_gflops": best,
                             "mfu": achieved / best}
-dist.print0("  ".join(f"{k}: MFU {v['mfu']:.1%} ({v['achieved_gflops']:.0f} of {v['ceiling_gflops']:.0f} GFLOP/s)"
+this_rank.print0("  ".join(f"{k}: MFU {v['mfu']:.1%} ({v['achieved_gflops']:.0f} of {v['ceiling_gflops']:.0f} GFLOP/s)"
                       for k, v in result["runs"].items()))
-dist.save_result(result)
+this_rank.save_result(result)

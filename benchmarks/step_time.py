@@ -11,20 +11,20 @@ import time
 
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.config.build import make_config
 from dslab.models.loading import build_model, count_parameters, tiny_config
 
-args = dist.recipe_args(micro_batch_size=4, seq_len=64, rounds=4, steps_per_round=3, warmup=2, seed=0,
+args = this_rank.recipe_args(micro_batch_size=4, seq_len=64, rounds=4, steps_per_round=3, warmup=2, seed=0,
                         stages=[{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
                                 {"zero_stage": 2, "offload_optimizer": True},
                                 {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}])
-rank, world_size = dist.init()
+rank, world_size = this_rank.init()
 
 import deepspeed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-dist.quiet()
+this_rank.quiet()
 config = tiny_config()  # the course model's shape (dslab-tiny), random weights: timing does not need training
 base = build_model(config, seed=args.seed)
 g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own micro-batches, the same for every trainer
@@ -109,7 +109,7 @@ for setup in args.stages:
     gc.collect()
 
 median = {k: statistics.median(v) for k, v in results.items()}
-dist.print0("  ".join(f"{k}: {v * 1000:.0f} ms" for k, v in median.items()))
-dist.save_result({"rank": rank, "world_size": world_size, "params": count_parameters(base),
+this_rank.print0("  ".join(f"{k}: {v * 1000:.0f} ms" for k, v in median.items()))
+this_rank.save_result({"rank": rank, "world_size": world_size, "params": count_parameters(base),
                   "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
                   "threads": torch.get_num_threads(), "seconds": results, "median": median})

@@ -142,7 +142,7 @@ def _is_compatible(builder):
     without the library the linker writes "cannot find -laio" straight to file descriptor 2, which neither
     DeepSpeed's own redirection nor a notebook's capture of sys.stderr stops. The answer is what matters.
     """
-    from dslab.dist import silenced
+    from dslab.this_rank import silenced
 
     with silenced():
         return bool(builder.is_compatible(False))

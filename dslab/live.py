@@ -77,10 +77,10 @@ def _become_rank(rank, world_size, master_addr, master_port, cwd, threads):
     import torch
 
     torch.set_num_threads(threads)
-    from dslab import dist
-    from dslab.dist import silenced
+    from dslab import this_rank
+    from dslab.this_rank import silenced
 
-    dist.quiet()
+    this_rank.quiet()
     with silenced():
         # DeepSpeed probes which C++ ops can build the first time it is asked (deepspeed.init_distributed asks):
         # compiler runs whose errors (a failed `-laio` link test) would land in a learner's cell. Probe now, quietly.

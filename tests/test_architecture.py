@@ -96,12 +96,12 @@ def test_nothing_imports_the_command_line_or_a_recipe():
 # --------------------------------------------------------------------------- layers
 
 # The package's parts, bottom to top: a part imports only parts of a lower layer (and itself). A part is a subpackage
-# (dslab/comm/, ...) or a top-level module (dslab/dist.py). docs/architecture.md shows the same table.
+# (dslab/comm/, ...) or a top-level module (dslab/this_rank.py). docs/architecture.md shows the same table.
 LAYERS = [
     {"messages"},
     {"files", "data", "plots", "course"},
     {"launch", "config"},
-    {"dist"},
+    {"this_rank"},
     {"env", "models"},
     {"zero", "precision"},
     {"comm"},
@@ -113,7 +113,7 @@ LAYERS = [
 
 
 def part_of(module):
-    """dslab.comm.step_bytes -> comm, dslab.dist -> dist; the package itself (dslab/__init__.py) -> None."""
+    """dslab.comm.step_bytes -> comm, dslab.this_rank -> dist; the package itself (dslab/__init__.py) -> None."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 

@@ -266,7 +266,7 @@ def test_prepare_reports_a_failed_build_and_tries_the_rest(monkeypatch):
 
 
 def test_importing_dslab_leaves_path_alone():
-    """PATH changes where processes start (dslab.launch, dslab.live, dslab.dist.init), never at import."""
-    code = "import os, sys; before = os.environ['PATH']; import dslab, dslab.env, dslab.live, dslab.dist; " \
+    """PATH changes where processes start (dslab.launch, dslab.live, dslab.this_rank.init), never at import."""
+    code = "import os, sys; before = os.environ['PATH']; import dslab, dslab.env, dslab.live, dslab.this_rank; " \
            "sys.exit(os.environ['PATH'] != before)"
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PATH="/usr/bin:/bin")).returncode == 0

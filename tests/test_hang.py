@@ -20,12 +20,12 @@ from support import assert_no_strays
 SKIPS_AN_ALL_REDUCE = """
 import torch
 import torch.distributed as torch_dist
-from dslab import dist
+from dslab import this_rank
 torch_dist.init_process_group("gloo")
 x = torch.ones(4)
 torch_dist.all_reduce(x)                  # both ranks
-print(f"rank {dist.rank()}: first all_reduce done", flush=True)
-if dist.rank() == 0:
+print(f"rank {this_rank.rank()}: first all_reduce done", flush=True)
+if this_rank.rank() == 0:
     torch_dist.all_reduce(x)              # rank 1 skips this one: rank 0 waits here
 torch_dist.barrier()                      # rank 1 waits here; gloo never pairs it with rank 0's all_reduce
 """
@@ -35,16 +35,16 @@ COMPUTES_SILENTLY = """
 import time
 import torch
 import torch.distributed as torch_dist
-from dslab import dist
-args = dist.recipe_args(seconds=16.0)
+from dslab import this_rank
+args = this_rank.recipe_args(seconds=16.0)
 torch_dist.init_process_group("gloo")
 start = time.monotonic()
-if dist.rank() == 0:
+if this_rank.rank() == 0:
     a = torch.randn(128, 128)
     while time.monotonic() - start < args.seconds:
         a = torch.tanh(a @ a)
 torch_dist.barrier()
-dist.save_result({"rank": dist.rank(), "waited": time.monotonic() - start})
+this_rank.save_result({"rank": this_rank.rank(), "waited": time.monotonic() - start})
 """
 
 SLEEPER = """

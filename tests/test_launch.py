@@ -12,16 +12,16 @@ import time
 import psutil
 import pytest
 
-from dslab import dist, launch
+from dslab import launch, this_rank
 from support import assert_no_strays
 
-# Rank scripts import only dslab.dist (no torch), so each launch costs little more than the launcher.
+# Rank scripts import only dslab.this_rank (no torch), so each launch costs little more than the launcher.
 FAILING = """
 import time
-from dslab import dist
-args = dist.recipe_args(fail_rank=1)
-if dist.rank() == args.fail_rank:
-    raise ValueError(f"rank {dist.rank()} fails on purpose")
+from dslab import this_rank
+args = this_rank.recipe_args(fail_rank=1)
+if this_rank.rank() == args.fail_rank:
+    raise ValueError(f"rank {this_rank.rank()} fails on purpose")
 time.sleep(120)  # the healthy rank would wait for the failed one forever: the launcher must stop it
 """
 
@@ -30,9 +30,9 @@ time.sleep(120)  # the healthy rank would wait for the failed one forever: the l
 FAILING_IN_COLLECTIVE = """
 import torch
 import torch.distributed as torch_dist
-from dslab import dist
+from dslab import this_rank
 torch_dist.init_process_group("gloo")  # torch only: cheaper than DeepSpeed for this test
-if dist.rank() == 1:
+if this_rank.rank() == 1:
     raise ValueError("rank 1 fails on purpose")
 torch_dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which is gone
 """
@@ -40,9 +40,9 @@ torch_dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which is g
 REPORTING = """
 import json
 import os
-from dslab import dist
-args = dist.recipe_args(tag="none", numbers=[])
-dist.save_result({"rank": dist.rank(), "world_size": dist.world_size(), "tag": args.tag,
+from dslab import this_rank
+args = this_rank.recipe_args(tag="none", numbers=[])
+this_rank.save_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
                   "numbers": args.numbers, "master_port": int(os.environ["MASTER_PORT"])})
 """
 
@@ -141,7 +141,7 @@ def test_recipe_kwargs_are_json_encoded():
 # ---- recipe_args: the command-line side of the same contract --------------------------------------
 
 def test_recipe_args_defaults_and_json_values():
-    args = dist.recipe_args(["--steps", "8", "--lr", "3e-4", "--flag", "true", "--sizes", "[1, 2]",
+    args = this_rank.recipe_args(["--steps", "8", "--lr", "3e-4", "--flag", "true", "--sizes", "[1, 2]",
                              "--name", "plain text", "--extra", "null"],
                             steps=4, lr=1e-3, flag=False, sizes=[], name="x", extra=1, untouched="kept")
     assert (args.steps, args.lr, args.flag, args.sizes, args.name, args.extra, args.untouched) == \
@@ -149,7 +149,7 @@ def test_recipe_args_defaults_and_json_values():
 
 
 def test_recipe_args_equals_form_dashes_and_local_rank():
-    args = dist.recipe_args(["--local_rank=1", "--zero-stage=3", "--local_rank", "0", "--tag", "a"],
+    args = this_rank.recipe_args(["--local_rank=1", "--zero-stage=3", "--local_rank", "0", "--tag", "a"],
                             zero_stage=0, tag="")
     assert args.zero_stage == 3 and args.tag == "a" and not hasattr(args, "local_rank")
 
@@ -157,7 +157,7 @@ def test_recipe_args_equals_form_dashes_and_local_rank():
 def test_recipe_args_roundtrip_what_launch_encodes():
     values = {"n": 3, "on": False, "groups": [[0], [1]], "name": "run one"}
     argv = [part for k, v in values.items() for part in (f"--{k}", launch.encode_value(v))]
-    assert vars(dist.recipe_args(argv, n=0, on=True, groups=None, name="")) == values
+    assert vars(this_rank.recipe_args(argv, n=0, on=True, groups=None, name="")) == values
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -167,15 +167,15 @@ def test_recipe_args_roundtrip_what_launch_encodes():
 ])
 def test_recipe_args_errors_say_what_is_wrong(argv, message):
     with pytest.raises(SystemExit, match=message):
-        dist.recipe_args(argv, steps=4, lr=1e-3)
+        this_rank.recipe_args(argv, steps=4, lr=1e-3)
 
 
 def test_save_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
-    monkeypatch.delenv(dist.RESULT_DIR_ENV, raising=False)
-    dist.save_result({"a": 1})  # nothing to write to, nothing raised
-    monkeypatch.setenv(dist.RESULT_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(this_rank.RESULT_DIR_ENV, raising=False)
+    this_rank.save_result({"a": 1})  # nothing to write to, nothing raised
+    monkeypatch.setenv(this_rank.RESULT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    dist.save_result({"a": 1})
+    this_rank.save_result({"a": 1})
     assert os.listdir(tmp_path) == ["rank3.json"]
 
 
@@ -183,14 +183,14 @@ def test_save_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
 
 ARGPARSE_REPORTING = """
 import argparse, os
-from dslab import dist
+from dslab import this_rank
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
 parser.add_argument("--tag", default="none")
 args = parser.parse_args()
-dist.save_result({"rank": dist.rank(), "world_size": dist.world_size(), "tag": args.tag,
+this_rank.save_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
                   "local_rank": args.local_rank, "local_size": os.environ.get("LOCAL_SIZE")})
-print(f"hello from rank {dist.rank()}")
+print(f"hello from rank {this_rank.rank()}")
 """
 
 

@@ -43,9 +43,9 @@ def test_sequential_twin_has_the_weights_a_pipeline_module_builds():
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from dslab import dist
+    from dslab import this_rank
 
-    dist.init_single_process(quiet=True)
+    this_rank.init_single_process(quiet=True)
     specs = [LayerSpec(pipeline.Embed, 64, 16), LayerSpec(pipeline.Block, 16, 32), LayerSpec(pipeline.Head, 16, 64)]
     net = PipelineModule(layers=specs, num_stages=1, loss_fn=pipeline.lm_loss, partition_method="uniform",
                          seed_layers=True, base_seed=pipeline.BASE_SEED)

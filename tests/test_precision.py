@@ -103,9 +103,9 @@ def test_bf16_needs_no_scaler_and_takes_the_spike():
 
 _DEEPSPEED_SCALER = """
 import json
-from dslab import dist
+from dslab import this_rank
 from dslab.precision import formats, loss_scaling
-dist.quiet()
+this_rank.quiet()
 ex = loss_scaling.trace_deepspeed_scaler(formats.DS_SCALE_OVERFLOWS, **formats.DS_SCALE_FP16)
 floor = loss_scaling.trace_deepspeed_scaler([True] * 8, initial_scale_power=3, loss_scale_window=4, min_loss_scale=1)
 print(json.dumps({"exercise": ex, "floor": floor}))
@@ -131,9 +131,9 @@ import json, sys
 from deepspeed.accelerator import get_accelerator
 if get_accelerator().device_name() == "cpu":   # the CPU accelerator's answer, forced: both branches on any CPU
     get_accelerator().is_fp16_supported = lambda: sys.argv[1] == "yes"
-from dslab import dist
+from dslab import this_rank
 from dslab.precision import loss_scaling
-dist.quiet()
+this_rank.quiet()
 try:
     trace = loss_scaling.trace_deepspeed_fp16(steps=16, spike_steps=(2, 3), initial_scale_power=8,
                                               loss_scale_window=4, hysteresis=2)

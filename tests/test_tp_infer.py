@@ -56,9 +56,9 @@ def test_different_prompts_on_ranks_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
     script = tmp_path / "mismatch.py"
     script.write_text(textwrap.dedent("""
-        from dslab import dist
+        from dslab import this_rank
         from dslab.parallel import tp_infer
-        rank, _ = dist.init()
+        rank, _ = this_rank.init()
         tp_infer.same_prompts_on_every_rank(["same", f"rank {rank} differs"])
     """))
     with pytest.raises(launch.LaunchError, match=r"ranks \[1\] were given other prompts than rank 0 \(prompt 1"):

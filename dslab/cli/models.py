@@ -119,9 +119,9 @@ def infer_command(args):
         completions = infer.generate(model, tokenizer, prompts, args.max_new_tokens, chat=args.chat,
                                      temperature=args.temperature, system=args.system)
     else:
-        from dslab import dist, launch
+        from dslab import launch, this_rank
         from dslab.parallel import tp_infer
-        dist.quiet()
+        this_rank.quiet()
         try:
             with contextlib.redirect_stdout(sys.stderr):  # the launcher's command line; stdout keeps only the answers
                 result = tp_infer.generate_tensor_parallel(
@@ -217,8 +217,8 @@ def add_merge(subparsers):
 
 def merge_command(args):
     """Merge, check and write; a refused adapter or output is one line on stderr and exit status 1."""
-    from dslab import dist
-    dist.quiet()  # before DeepSpeed or transformers log anything
+    from dslab import this_rank
+    this_rank.quiet()  # before DeepSpeed or transformers log anything
     from dslab.models import loading, lora
     try:
         lora.merge(args.model, args.adapter, args.output, tolerance=args.tolerance, dtype=DTYPE_FROM_FLAG[args.dtype])

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from dslab import dist, env
+from dslab import env, this_rank
 from dslab.config import build, check
 from dslab.zero import memory, runner
 from dslab.messages import say
@@ -26,14 +26,14 @@ def add_commands(subparsers):
 # --------------------------------------------------------------------------- env, prepare
 
 def _env(args):
-    dist.send_deepspeed_logs_to_stderr()
+    this_rank.send_deepspeed_logs_to_stderr()
     rep = env.report()
     print(json.dumps(rep, indent=2, sort_keys=True) if args.json else env.format_report(rep))
     return 0
 
 
 def _prepare(args):
-    dist.send_deepspeed_logs_to_stderr()
+    this_rank.send_deepspeed_logs_to_stderr()
     try:
         env.prepare(only=args.only, verbose=args.verbose)
     except RuntimeError as exc:
@@ -69,7 +69,7 @@ def _config_check(args):
     except check.ConfigError as exc:
         print(exc)
         return 1
-    dist.send_deepspeed_logs_to_stderr()
+    this_rank.send_deepspeed_logs_to_stderr()
     device = None if args.device == "auto" else args.device
     problems = check.check_config(cfg, world_size=args.world_size, device=device, allow_auto=args.hf_trainer)
     if problems:
@@ -85,7 +85,7 @@ def _config_check(args):
 
 
 def _config_new(args):
-    dist.send_deepspeed_logs_to_stderr()
+    this_rank.send_deepspeed_logs_to_stderr()
     # Without --world-size the file leaves train_batch_size out: DeepSpeed computes it on any number of ranks.
     extra = {} if args.world_size else {"train_batch_size": None}
     try:

@@ -2,7 +2,7 @@
 file parses the arguments, calls it and prints the outcome. The command returns its exit status."""
 import sys
 
-from dslab import data, dist, launch
+from dslab import data, launch, this_rank
 from dslab.config import check
 from dslab.models import checkpoints, loading, lora
 from dslab.training import equivalents, sft, sft_plan
@@ -53,7 +53,7 @@ def run_sft(args):
     """Fine-tune as the arguments say; print where the result went, or what stopped the run before it began."""
     if args.print_equivalent:
         return print_equivalent(args)
-    dist.quiet()
+    this_rank.quiet()
     try:
         result = sft.run(model=args.model, data=args.data, output=args.output, zero_stage=args.zero,
                          world_size=args.world_size, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
@@ -87,7 +87,7 @@ def expected_steps(args):
 def print_equivalent(args):
     """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool (dslab.training.equivalents),
     printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.training.sft_plan)."""
-    dist.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
+    this_rank.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
     try:
         plan = sft_plan.describe(args)
         text, written = equivalents.render(args.print_equivalent, plan)

@@ -346,10 +346,10 @@ def ddp_step_bytes(shape=None, no_sync=False, micro_steps=2, precision="fp32", m
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from dslab import dist
+    from dslab import this_rank
     from dslab.models.loading import build_model, tiny_config
 
-    rank, _ = dist.init()
+    rank, _ = this_rank.init()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = build_model(tiny_config(**(shape or {})), seed=seed).to(dtype)
     # broadcast_buffers=False: the model's only buffer (rotary inv_freq) is the same on every rank, and DDP

@@ -113,10 +113,10 @@ def serve(spec_file):
     """On every rank: join the process group, run the trial on each answer of the spec; {"answers": [result, ...]}."""
     import torch.distributed as torch_dist
 
-    from dslab import dist
+    from dslab import this_rank
 
     spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
-    rank, world_size = dist.init()
+    rank, world_size = this_rank.init()
     module, _, name = spec["trial"].partition(":")
     trial = getattr(importlib.import_module(module), name)
     results = []

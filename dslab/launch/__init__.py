@@ -36,7 +36,7 @@ def recipe_module(name):
 
 
 def encode_value(value):
-    """A Python value as one command-line word for dslab.dist.recipe_args: strings as they are, the rest as JSON."""
+    """A Python value as one command-line word for dslab.this_rank.recipe_args: strings as they are, the rest as JSON."""
     return value if isinstance(value, str) else json.dumps(value)
 
 

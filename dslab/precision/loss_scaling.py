@@ -246,7 +246,7 @@ def deepspeed_scaler(**fp16):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
-    from dslab.dist import init_single_process
+    from dslab.this_rank import init_single_process
 
     init_single_process(quiet=True)  # the scaler asks deepspeed.comm for the rank: make this process rank 0 of 1
     section = DeepSpeedFP16Config(**{"enabled": True, "loss_scale": 0, **fp16})
@@ -284,7 +284,7 @@ def trace_deepspeed_fp16(steps=16, spike_steps=(2, 3), spike=1e4, zero_stage=1, 
     import torch
 
     from dslab.config.build import make_config
-    from dslab.dist import init_single_process
+    from dslab.this_rank import init_single_process
 
     init_single_process(quiet=True)  # deepspeed.initialize needs a process group: this process, rank 0 of 1
     model = _scaler_model(seed)

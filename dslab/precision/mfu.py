@@ -138,7 +138,7 @@ def describe(setup):
 
 
 def sweep(setups, rounds=3, model=None, seed=0):
-    """Training MFU of each setup in this process (a world of one, set up by dslab.dist.init_single_process).
+    """Training MFU of each setup in this process (a world of one, set up by dslab.this_rank.init_single_process).
 
     Each setup ({precision, threads, micro_batch_size, seq_len, zero_stage}, missing keys from DEFAULT_SETUP) gets
     its own engine on the course model. After a warm-up step each, `rounds` rounds time one step of every setup

@@ -1,10 +1,10 @@
 """Gradient accumulation in DeepSpeed: micro x accumulation x ranks sequences make one step, equal to one big batch."""
-from dslab import dist
+from dslab import this_rank
 from dslab.training.accumulation import (batch_triples, hf_auto_batch, reference_step, small_lm, token_batch, window_runs,
                                 window_setups)
 
-args = dist.recipe_args(micro_batch_size=2, grad_accum_steps=4, seq_len=32, lr=0.1, seed=0)
-rank, world_size = dist.init()
+args = this_rank.recipe_args(micro_batch_size=2, grad_accum_steps=4, seq_len=32, lr=0.1, seed=0)
+rank, world_size = this_rank.init()
 
 micro, gas = args.micro_batch_size, args.grad_accum_steps
 base = small_lm(seed=args.seed)                                   # same seed on every rank: same weights
@@ -23,8 +23,8 @@ triples = batch_triples(total=micro * gas * world_size, micro_batch_size=micro, 
 hf_filled = hf_auto_batch(micro_batch_size=micro, grad_accum_steps=gas)
 
 for name, run in runs.items():
-    dist.print0(f"{name:21s} ZeRO-{run['zero_stage']} micro {run['micro_batch_size']} x accum "
+    this_rank.print0(f"{name:21s} ZeRO-{run['zero_stage']} micro {run['micro_batch_size']} x accum "
                 f"{run['grad_accum_steps']} x world {world_size} = {run['train_batch_size']}: "
                 f"step / reference step = {run['step_ratio']:.3f}")
-dist.save_result({"rank": rank, "runs": runs, "reference_grad_norm": reference_grad_norm, "triples": triples,
+this_rank.save_result({"rank": rank, "runs": runs, "reference_grad_norm": reference_grad_norm, "triples": triples,
                   "hf_filled": hf_filled})

@@ -3,11 +3,11 @@ import os
 
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.comm import wire
 
-args = dist.recipe_args(numel=4)   # values per rank; divisible by world_size, for reduce-scatter
-rank, world_size = dist.init()     # deepspeed.init_distributed(): gloo on CPU, nccl on NVIDIA GPUs
+args = this_rank.recipe_args(numel=4)   # values per rank; divisible by world_size, for reduce-scatter
+rank, world_size = this_rank.init()     # deepspeed.init_distributed(): gloo on CPU, nccl on NVIDIA GPUs
 
 import deepspeed.comm as ds_comm   # the same calls as torch.distributed, plus DeepSpeed's comms logger
 import torch.distributed as torch_dist
@@ -38,5 +38,5 @@ chunk = torch.empty(args.numel // world_size, device=device)
 ds_comm.reduce_scatter_fn(chunk, x)         # the sum, cut in world_size chunks: rank r keeps chunk r
 out["reduce_scatter"] = chunk.tolist()
 
-dist.print0(f"{world_size} ranks on {out['backend']}: broadcast, all_reduce, all_gather, reduce_scatter")
-dist.save_result(out)
+this_rank.print0(f"{world_size} ranks on {out['backend']}: broadcast, all_reduce, all_gather, reduce_scatter")
+this_rank.save_result(out)

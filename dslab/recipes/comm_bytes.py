@@ -4,17 +4,17 @@ import io
 
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.comm import step_bytes, wire
 from dslab.models.loading import build_model, tiny_config
 
 # ds_configs: one DeepSpeed config per setup, run one after another (dslab.comm.step_bytes.comm_config builds them with
 # "comms_logger": {"enabled": true, "prof_all": true}). ddp: also measure torch DDP, once per no_sync value listed.
-args = dist.recipe_args(ds_configs=[], shape={}, seq_len=32, warmup_steps=2, seed=0, ddp=[], ddp_micro_steps=2,
+args = this_rank.recipe_args(ds_configs=[], shape={}, seq_len=32, warmup_steps=2, seed=0, ddp=[], ddp_micro_steps=2,
                         ddp_precision="fp32")
-rank, world_size = dist.init()
+rank, world_size = this_rank.init()
 
-import deepspeed                   # after dist.init, which quiets DeepSpeed's logs first
+import deepspeed                   # after this_rank.init, which quiets DeepSpeed's logs first
 import deepspeed.comm as ds_comm   # torch.distributed's calls, plus the comms logger
 
 runs = []
@@ -39,10 +39,10 @@ for ds_config in args.ds_configs:
     logged = {op: {int(size): rec["count"] for size, rec in sizes.items()}
               for op, sizes in summary.items() if op != "log_summary_barrier"}   # its own barrier is logged too
     runs.append({"bytes": sent, "comms_logger": logged, "loss": loss.item()})
-    dist.print0(f"ZeRO-{engine.zero_optimization_stage()}: rank 0 sent {sent:,} bytes in one optimizer step")
+    this_rank.print0(f"ZeRO-{engine.zero_optimization_stage()}: rank 0 sent {sent:,} bytes in one optimizer step")
     engine.destroy()
 
 ddp = [step_bytes.ddp_step_bytes(args.shape, no_sync, args.ddp_micro_steps, args.ddp_precision, seq_len=args.seq_len,
                                  warmup_steps=args.warmup_steps, seed=args.seed) for no_sync in args.ddp]
-dist.save_result({"rank": rank, "world_size": world_size, "numels": numels if runs else None, "runs": runs,
+this_rank.save_result({"rank": rank, "world_size": world_size, "numels": numels if runs else None, "runs": runs,
                   "ddp": ddp})

@@ -1,6 +1,6 @@
 """Every rank runs a learner's exercise code and the checker's trial on it (dslab.exercises.on_ranks)."""
-from dslab import dist
+from dslab import this_rank
 from dslab.exercises import on_ranks
 
-args = dist.recipe_args(spec="")
-dist.save_result(on_ranks.serve(args.spec))
+args = this_rank.recipe_args(spec="")
+this_rank.save_result(on_ranks.serve(args.spec))

@@ -9,14 +9,14 @@ import deepspeed
 import deepspeed.comm as ds_comm
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.models import loading
 
 CASES = ("skip_allreduce", "zero3_generate")
-args = dist.recipe_args(case="skip_allreduce", synced_gpus=False, model=None)
+args = this_rank.recipe_args(case="skip_allreduce", synced_gpus=False, model=None)
 if args.case not in CASES:
     raise SystemExit(f"unknown --case {args.case!r}; choose one of {', '.join(CASES)}")
-rank, world_size = dist.init()   # deepspeed.init_distributed(): gloo on CPU
+rank, world_size = this_rank.init()   # deepspeed.init_distributed(): gloo on CPU
 
 if args.case == "skip_allreduce":
     x = torch.ones(4)
@@ -41,4 +41,4 @@ if args.case == "zero3_generate":
     print(f"rank {rank}: generated {out.shape[1] - prompt['input_ids'].shape[1]} tokens", flush=True)
     ds_comm.barrier()                         # rank 0 waits here; rank 1 is still inside generate
 
-dist.print0(f"{args.case}: every rank finished")
+this_rank.print0(f"{args.case}: every rank finished")

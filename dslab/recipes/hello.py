@@ -3,11 +3,11 @@ import socket
 
 import torch
 
-from dslab import dist
+from dslab import this_rank
 from dslab.comm import wire
 
-args = dist.recipe_args()          # this recipe takes no arguments
-rank, world_size = dist.init()     # join the process group the launcher prepared (gloo on CPU, nccl on GPU)
+args = this_rank.recipe_args()          # this recipe takes no arguments
+rank, world_size = this_rank.init()     # join the process group the launcher prepared (gloo on CPU, nccl on GPU)
 
 import deepspeed.comm as ds_comm   # DeepSpeed's wrapper over torch.distributed: the same calls
 import torch.distributed as torch_dist
@@ -17,9 +17,9 @@ from deepspeed.accelerator import get_accelerator
 # 1 + 2 + ... + world_size: the ranks exchanged data, not just started side by side.
 x = torch.tensor([rank + 1.0])
 ds_comm.all_reduce(x)
-dist.print0(f"hello from {world_size} ranks: all_reduce(rank + 1) = {x.item():g}")
+this_rank.print0(f"hello from {world_size} ranks: all_reduce(rank + 1) = {x.item():g}")
 
-dist.save_result({
+this_rank.save_result({
     "rank": rank,
     "world_size": world_size,
     "all_reduce_sum": x.item(),

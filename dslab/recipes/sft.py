@@ -5,13 +5,13 @@ import time
 import deepspeed
 from peft import get_peft_model_state_dict
 
-from dslab import dist
+from dslab import this_rank
 from dslab.models import checkpoints, loading, lora
 from dslab.training import loop, sft
 
-args = dist.recipe_args(**sft.RECIPE_DEFAULTS)  # every option of `dslab sft`, listed in dslab/training/sft.py
-rank, world_size = dist.init()
-dist.seed_all(args.seed)  # the same LoRA initialisation on every rank
+args = this_rank.recipe_args(**sft.RECIPE_DEFAULTS)  # every option of `dslab sft`, listed in dslab/training/sft.py
+rank, world_size = this_rank.init()
+this_rank.seed_all(args.seed)  # the same LoRA initialisation on every rank
 tokenizer, model = loading.load_tokenizer(args.model), loading.load_model(args.model)
 if not args.full:  # freeze W, train only A and B: W x + (alpha/r)·B·A x
     model = lora.attach_lora(model, r=args.lora_r, alpha=args.lora_alpha, target_modules=args.target_modules)
@@ -39,7 +39,7 @@ log_every = args.log_every or max(1, steps // 8)
 def on_step(step, loss):  # loop.train counts from 1; a resumed run had already done `start` steps
     step += start
     if step % log_every == 0 or step == steps:
-        dist.print0(f"step {step:>4}/{steps}  loss {loss:.3f}")
+        this_rank.print0(f"step {step:>4}/{steps}  loss {loss:.3f}")
     if args.progress_file and rank == 0:
         sft.write_progress(args.progress_file, step, loss)  # `dslab sft` draws its progress bar from this
     if args.save_every and step % args.save_every == 0:
@@ -58,7 +58,7 @@ if args.full:
 else:  # what a plain state_dict() holds under ZeRO-3: empty placeholders, 0 elements
     ungathered = sum(v.numel() for v in get_peft_model_state_dict(engine.module, save_embedding_layers=False).values())
     lora.save_adapter(engine.module, args.output, extra_files={"loss_log.json": json.dumps(log)})
-dist.save_result({"rank": rank, "world_size": world_size, "zero_stage": zero_stage, "steps": steps, "start_step": start,
+this_rank.save_result({"rank": rank, "world_size": world_size, "zero_stage": zero_stage, "steps": steps, "start_step": start,
                   "examples": len(examples), "loss_log": log, "final_loss": log[-1]["loss"] if log else None,
                   "train_seconds": train_seconds, "activation_bytes": activation_bytes, "model_states": model_states,
                   "ungathered_adapter_numel": None if args.full else ungathered,

@@ -44,7 +44,7 @@ def build_base(output=DEFAULT_MODEL_DIR, steps=650, seq_len=256, micro_batch_siz
     import torch
     from dslab import data
     from dslab.tiny import corpus
-    from dslab import dist
+    from dslab import this_rank
     from dslab.training import loop
 
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -57,7 +57,7 @@ def build_base(output=DEFAULT_MODEL_DIR, steps=650, seq_len=256, micro_batch_siz
     config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tokenizer.pad_token_id)
     model = build_model(config, seed=seed)
-    dist.init_single_process()
+    this_rank.init_single_process()
     ds_config = pretrain_config(micro_batch_size, steps, lr, warmup=max(1, steps // 20))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     t_train = time.perf_counter()

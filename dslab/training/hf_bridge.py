@@ -6,7 +6,7 @@ The training itself is plain transformers + peft + DeepSpeed in the recipe; noth
 """
 import os
 
-from dslab import dist
+from dslab import this_rank
 
 # Where the Trainer takes each "auto" of a DeepSpeed config from: transformers/integrations/deepspeed.py,
 # HfTrainerDeepSpeedConfig.trainer_config_process (when TrainingArguments is built) and trainer_config_finalize (when
@@ -157,9 +157,9 @@ def equals_checkpoint(model, model_path, name="model.layers.0.mlp.gate_proj.weig
 # What each rank of dslab/recipes/hf_sft.py reports
 # ----------------------------------------------------------------------------------------------------
 def report(trainer, model_path):
-    """Save what chapter 09 reads off this rank after training (dslab.dist.save_result); a no-op outside
+    """Save what chapter 09 reads off this rank after training (dslab.this_rank.save_result); a no-op outside
     dslab.launch, so the measurements stay out of a run on a cluster. All ranks must call it (ZeRO-3 gathers)."""
-    if not os.environ.get(dist.RESULT_DIR_ENV):
+    if not os.environ.get(this_rank.RESULT_DIR_ENV):
         return
     import torch.distributed as tdist
 
@@ -178,7 +178,7 @@ def report(trainer, model_path):
     }
     if engine.zero_optimization_stage() == 3:
         result.update(zero3_report(trainer, model_path))
-    dist.save_result(result)
+    this_rank.save_result(result)
 
 
 def zero3_report(trainer, model_path):

@@ -316,15 +316,15 @@ def report(engine, examples, tokenizer, loss_log, steps, start_step=0):
     script runs outside dslab.launch (on a cluster), so the measurements stay out of the training itself."""
     import os
 
-    from dslab import dist
+    from dslab import this_rank
     from dslab.models import lora
 
-    if not os.environ.get(dist.RESULT_DIR_ENV):
+    if not os.environ.get(this_rank.RESULT_DIR_ENV):
         return
     import torch.distributed as tdist
 
     probe = next(rank_batches(examples, 0, 1, engine.train_micro_batch_size_per_gpu(), tokenizer.pad_token_id))
-    dist.save_result({"rank": tdist.get_rank(), "world_size": tdist.get_world_size(),
+    this_rank.save_result({"rank": tdist.get_rank(), "world_size": tdist.get_world_size(),
                       "zero_stage": engine.zero_optimization_stage(), "steps": steps, "start_step": start_step,
                       "examples": len(examples), "loss_log": loss_log,
                       "final_loss": loss_log[-1]["loss"] if loss_log else None,

@@ -107,10 +107,10 @@ def run_setup(ds_config, steps=2, seq_len=32, seed=0):
     import deepspeed
     import torch
 
-    from dslab import dist
+    from dslab import this_rank
     from dslab.models.loading import build_model, count_parameters, tiny_config
 
-    rank, _ = dist.init()
+    rank, _ = this_rank.init()
     accum = int(ds_config["gradient_accumulation_steps"])
     micro = int(ds_config["train_micro_batch_size_per_gpu"])
     net = build_model(tiny_config(), seed=seed)
@@ -145,9 +145,9 @@ def run_setup(ds_config, steps=2, seq_len=32, seed=0):
 def run_setups(setups, steps=2, seq_len=32, seed=0):
     """On this rank: run_setup(...) for each {"name", "ds_config"} (a list, or a JSON file of one) ->
     {"rank", "world_size", "runs": {name: ...}}."""
-    from dslab import dist
+    from dslab import this_rank
 
-    rank, world_size = dist.init()
+    rank, world_size = this_rank.init()
     runs = {s["name"]: run_setup(s["ds_config"], steps=steps, seq_len=seq_len, seed=seed) for s in load_setups(setups)}
     return {"rank": rank, "world_size": world_size, "runs": runs}
 

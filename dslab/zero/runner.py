@@ -56,10 +56,10 @@ def run_engine(ds_config, shape=None, model=None, steps=2, seq_len=32, seed=0, c
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from dslab import dist
+    from dslab import this_rank
     from dslab.models.loading import build_model, count_parameters, load_model, tiny_config
 
-    rank, _ = dist.init()
+    rank, _ = this_rank.init()
     accum = int(ds_config.get("gradient_accumulation_steps", 1))
     micro = int(ds_config["train_micro_batch_size_per_gpu"])
     net = load_model(model) if model else build_model(tiny_config(**(shape or {})), seed=seed)
@@ -119,10 +119,10 @@ def run_setups(setups, shape=None, model=None, steps=3, grad_accum_steps=2, micr
     A setup is {"zero_stage": S, "offload_optimizer": bool, "offload_param": bool}, optionally with
     "grad_accum_steps", "comms" and "config" (merged into the ds_config by dslab.config.build.make_config).
     """
-    from dslab import dist
+    from dslab import this_rank
     from dslab.config.build import make_config
 
-    rank, world_size = dist.init()
+    rank, world_size = this_rank.init()
     runs = []
     for setup in setups:
         setup = dict(setup)
@@ -226,10 +226,10 @@ def measure_live(ranks, zero_stage, offload_optimizer=False, offload_param=False
 
 def run_setups_config(ds_config, shape=None, steps=2):
     """On this rank: run_engine(ds_config) once, shaped like run_setups' result (for memory.report_from_results)."""
-    from dslab import dist
+    from dslab import this_rank
 
     start = time.perf_counter()
-    rank, world_size = dist.init()
+    rank, world_size = this_rank.init()
     out = run_engine(ds_config, shape=shape, steps=steps, finish=False)  # the snapshot is all the explorer needs
     out["seconds"] = time.perf_counter() - start
     return {"rank": rank, "world_size": world_size, "runs": [out]}
@@ -276,10 +276,10 @@ def try_step(ds_config):
     import deepspeed
     import torch
 
-    from dslab import dist
+    from dslab import this_rank
     from dslab.models.loading import build_model, tiny_config
 
-    dist.init()
+    this_rank.init()
     net = build_model(tiny_config(**TRY_SHAPE))
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds_config)
     tokens = torch.randint(3, TRY_SHAPE["vocab_size"], (engine.train_micro_batch_size_per_gpu(), 16))

@@ -10,10 +10,10 @@ def single_process_world():
     """This process as rank 0 of a world of one on GPU 0 (what a notebook kernel does in chapter 02)."""
     import torch
 
-    from dslab import dist
+    from dslab import this_rank
 
     torch.cuda.set_device(0)
-    dist.init_single_process(quiet=True)
+    this_rank.init_single_process(quiet=True)
 
 
 @pytest.mark.gpus(1)
