@@ -43,7 +43,7 @@ CHAPTERS = (
 def course_map(features):
     """One row per chapter: does it run here, and which of its GPU cells will be skipped.
 
-    `features` is dslab.env.report()["features"] (a list of {"name", "available", "reason"}).
+    `features` is dslab.env.machine_facts()["features"] (a list of {"name", "available", "reason"}).
     """
     available = {f["name"]: f["available"] for f in features}
     unknown = {name for ch in CHAPTERS for name in ch.needs + ch.guarded_cells} - set(available)

@@ -251,7 +251,7 @@ def accelerator_info():
             "bf16_supported": bf16, "fp16_supported": bool(accel.is_fp16_supported())}
 
 
-def report():
+def machine_facts():
     """Everything above as one dict (same keys on every machine; values that vary sit in fixed places)."""
     tools = build_tools()
     accel = accelerator_info()

@@ -1,11 +1,17 @@
 """Matplotlib figures for the chapters; every function returns (Figure, data) so notebooks assert on the data."""
 
 
-def _figure(ncols=1, width=6.0, height=3.2):
+def pyplot():
+    """matplotlib.pyplot, drawing off-screen (Agg) outside a notebook: tests, CI and the slide builder have no display."""
     import matplotlib
     if not _in_notebook():
-        matplotlib.use("Agg")  # no display outside a notebook (tests, CI)
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _figure(ncols=1, width=6.0, height=3.2):
+    plt = pyplot()
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return fig, list(axes[0])
 

@@ -106,8 +106,8 @@ def test_gradient_reductions_skip_scalars_and_gathers():
     log = {"all_reduce": {251008: [2, [], [], []], 4: [1, [], [], []], 1: [1, [], [], []]},
            "reduce_scatter_tensor": {251008: [1, [], [], []]},
            "all_gather_into_tensor": {125504: [3, [], [], []]}}
-    assert acc.gradient_reductions(log) == (3, 3 * 251008)
-    assert acc.gradient_reductions({}) == (0, 0)
+    assert acc.logged_gradient_reductions(log) == (3, 3 * 251008)
+    assert acc.logged_gradient_reductions({}) == (0, 0)
 
 
 def test_window_setups_keep_the_global_batch():

@@ -106,7 +106,7 @@ LAYERS = [
     {"zero", "precision"},
     {"comm"},
     {"parallel", "training"},
-    {"tiny", "live", "hangs"},
+    {"tiny", "live", "hang_reports"},
     {"exercises"},
     {"cli", "recipes"},
 ]

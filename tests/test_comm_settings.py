@@ -97,7 +97,7 @@ def test_destination_slices_cut_parameters_at_partition_edges_in_bucket_order():
                                        "all_reduce")])
 def test_which_settings_reduce_to_owners(keys, op):
     zero = {**step_bytes.ZERO_DEFAULTS, **keys}
-    ops = settings.gradient_reductions([0, 1], [6, 6], 2, zero)
+    ops = settings.bucket_reductions([0, 1], [6, 6], 2, zero)
     assert {o for o, _, _ in ops} == {op}
     assert sum(numel for _, numel, _ in ops) == 12
     assert [root for _, _, root in ops] == ([0, 1] if op == "reduce" else [None])
@@ -173,12 +173,12 @@ def test_first_step_of_stages_0_to_2_is_like_every_other():
 
 def test_report_prices_nccl_and_says_which_step():
     cfg = step_bytes.comm_config(3, 2)
-    rep = step_bytes.report(_trace(), 2, cfg, first_step=True)
+    rep = step_bytes.sent_per_rank(_trace(), 2, cfg, first_step=True)
     assert rep["first_step"] and "the first optimizer step" in step_bytes.format_report(rep)
     assert "NCCL" in step_bytes.format_report(rep)
     psi = rep["param_bytes"]
     assert max(rep["nccl_bytes"]) / psi == pytest.approx(1.5, abs=1e-4)      # the paper's 3(N-1)/N at N = 2
-    steady = step_bytes.report(_trace(), 2, cfg)
+    steady = step_bytes.sent_per_rank(_trace(), 2, cfg)
     assert steady["nccl_bytes"] / psi == pytest.approx(1.0, abs=1e-4)         # one gather kept for the backward
 
 
@@ -222,7 +222,7 @@ def three_ranks():
                "ZeRO-3": step_bytes.comm_config(3, 3)}
     result = launch.run("comm_bytes", world_size=3, stream=False, timeout=900, ds_configs=list(configs.values()),
                         shape=SHAPE, warmup_steps=0)
-    return {name: step_bytes.report(_trace(), 3, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results],
+    return {name: step_bytes.sent_per_rank(_trace(), 3, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results],
                                     first_step=True)
             for i, (name, cfg) in enumerate(configs.items())}
 

@@ -21,7 +21,7 @@ FEATURES = ["bf16 training", "fp16 DeepSpeed optimizer", "ZeRO-Offload (cpu_adam
 
 @pytest.fixture(scope="module")
 def rep():
-    return env.report()
+    return env.machine_facts()
 
 
 def test_report_has_every_section(rep):
@@ -186,7 +186,7 @@ def test_async_io_is_probed_without_compiler_output():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() in ("compatible", "absent")
     assert "cannot find" not in run.stdout + run.stderr and "collect2" not in run.stdout + run.stderr
-    line = next(line for line in env.format_report(env.report()).splitlines() if line.strip().startswith("async_io"))
+    line = next(line for line in env.format_report(env.machine_facts()).splitlines() if line.strip().startswith("async_io"))
     assert ("needs libaio" in line) == (run.stdout.strip() == "absent")
 
 

@@ -200,7 +200,7 @@ def unknown(settings, fields):
 # ------------------------------------------------------------------------------------------ the printed text
 @pytest.fixture
 def plan_for(tmp_path, monkeypatch):
-    """describe() of `dslab sft --output TMP/run ARGS`, parsed by the real command line; also the parsed args."""
+    """plan_from_args() of `dslab sft --output TMP/run ARGS`, parsed by the real command line; also the parsed args."""
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("DSLAB_MODEL", raising=False)
     build.save_config(build.make_config(zero_stage=3, offload_optimizer=True, micro_batch_size=2, grad_accum_steps=2,
@@ -209,7 +209,7 @@ def plan_for(tmp_path, monkeypatch):
     def make(extra):
         extra = [str(tmp_path / CUSTOM) if a == CUSTOM else a for a in extra]
         args = build_parser().parse_args(["sft", "--output", str(tmp_path / "run"), *extra])
-        return sft_plan.describe(args), args
+        return sft_plan.plan_from_args(args), args
     return make
 
 
@@ -516,7 +516,7 @@ def test_the_chat_template_is_chosen_per_model(model, style, swift_flags, lf_key
         model = _model_folder(tmp_path, template, "LlamaForCausalLM" if model == "llama-folder" else "Qwen2ForCausalLM")
     assert sft_plan.chat_style(model) == style
     args = build_parser().parse_args(["sft", "--output", str(tmp_path / "run"), "--model", model])
-    plan = sft_plan.describe(args)
+    plan = sft_plan.plan_from_args(args)
     flags, _ = swift_command(equivalents.swift(plan)[0])
     assert {k: flags[k] for k in ("model_type", "template", "check_model") if k in flags} == swift_flags
     assert all(v in swift_args["model_types"] | swift_args["templates"] | {"false"} for v in sum(swift_flags.values(), []))
@@ -553,7 +553,7 @@ def test_messages_files_go_to_chats_with_names_filled_by_dslab(tmp_path, monkeyp
                                               {"role": "assistant", "content": "{author}."}], "lang": "en"}) + "\n")
     args = build_parser().parse_args(["sft", "--output", str(tmp_path / "run"), "--data", str(chats),
                                       "--model-author", "Lab"])
-    plan = sft_plan.describe(args)
+    plan = sft_plan.plan_from_args(args)
     text, written = equivalents.swift(plan)
     flags, _ = swift_command(text)
     assert flags["dataset"] == [f"{tmp_path}/run-swift/chats.jsonl", f"{tmp_path}/run-swift/general.jsonl"]

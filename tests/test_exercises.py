@@ -334,7 +334,7 @@ def test_shipping_rebuilds_functions_with_what_they_use_at_their_own_lines():
     assert uses(1.5) == 10 and uses.__code__.co_firstlineno == _uses_everything.__code__.co_firstlineno
     with pytest.raises(ZeroDivisionError) as raised:
         fails(1.0)
-    report = feedback.describe(raised.value, learner_files=files)
+    report = feedback.explain(raised.value, learner_files=files)
     assert "tests/test_exercises.py, line" in report and "in _fails" in report and "return _helper(x) / 0" in report
     with pytest.raises(shipping.Unshippable, match="lambda"):
         shipping.pack([lambda x: x])

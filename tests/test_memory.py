@@ -112,7 +112,7 @@ def test_measure_cli_passes_the_shape(monkeypatch, capsys):
     def fake_measure(zero_stage, world_size, offload_optimizer, offload_param, model=None, shape=None, **kw):
         seen.update(zero_stage=zero_stage, world_size=world_size, shape=shape, model=model)
         print("$ deepspeed --num_gpus 3 ...")  # what dslab.launch prints: must not land in the JSON
-        return memory.report(1000, world_size, zero_stage)
+        return memory.bytes_per_rank(1000, world_size, zero_stage)
 
     monkeypatch.setattr(runner, "measure", fake_measure)
     assert cli.main(["measure", "--zero", "3", "--world-size", "3", "--hidden-size", "96", "--layers", "2",

@@ -39,7 +39,7 @@ def printed(tmp_path, target, *extra):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
-    return out.getvalue(), sft_plan.describe(build_parser().parse_args(argv))
+    return out.getvalue(), sft_plan.plan_from_args(build_parser().parse_args(argv))
 
 
 def run_pasted(script, bin_dir, log, timeout=TIMEOUT):

@@ -15,7 +15,7 @@ A slide pulls live content from the kit with a directive on a line of its own:
 
     ![figure: caption](dslab.plots:zero_partition_map(world_size=4))        the Figure, as a PNG
     ![table: caption](dslab.zero.memory:ladder(params=7.5e9, world_size=64) | setup, total:GB)
-    ![table: caption](dslab.env:report()["features"] | name, available)      part of the data
+    ![table: caption](dslab.env:machine_facts()["features"] | name, available)      part of the data
     ![figure](dslab.plots:loss_scale_trace(dslab.precision.loss_scaling.trace_grad_scaler()))  data -> plot
     ![code: caption](dslab.launch.multinode:EXAMPLE_HOSTFILE)                      a string, as code
     ![terms](glossary: ZeRO; sharding)                                     rows of docs/glossary.md

@@ -27,7 +27,7 @@ def add_commands(subparsers):
 
 def _env(args):
     this_rank.send_deepspeed_logs_to_stderr()
-    rep = env.report()
+    rep = env.machine_facts()
     print(json.dumps(rep, indent=2, sort_keys=True) if args.json else env.format_report(rep))
     return 0
 
@@ -79,7 +79,7 @@ def _config_check(args):
             print(f"  {p}")
         return 1
     print(say("config.ok", file=args.file))
-    for line in check.describe(cfg, args.world_size).splitlines():
+    for line in check.summary(cfg, args.world_size).splitlines():
         print(f"  {line}")
     return 0
 
@@ -144,7 +144,7 @@ def _estimate(args):
     choice = {"optimizer": args.optimizer, "master_weights": args.master_weights,
               "optimizer_states": args.optimizer_states, "muon_fraction": args.muon_fraction}
     try:
-        rep = memory.report(args.params, args.world_size, args.zero, args.precision, args.offload_optimizer,
+        rep = memory.bytes_per_rank(args.params, args.world_size, args.zero, args.precision, args.offload_optimizer,
                             args.offload_param, **choice)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -89,7 +89,7 @@ def print_equivalent(args):
     printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.training.sft_plan)."""
     this_rank.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
     try:
-        plan = sft_plan.describe(args)
+        plan = sft_plan.plan_from_args(args)
         text, written = equivalents.render(args.print_equivalent, plan)
         sft_plan.write(sft_plan.work_dir(plan, args.print_equivalent), written)  # what the printed lines read
         print(text, end="")

@@ -37,7 +37,7 @@ def _largest(value):
 
 
 def row(label, rep):
-    """One line of the table from a dslab.comm.step_bytes.report (with or without "measured"): values in Ψ."""
+    """One line of the table from a dslab.comm.step_bytes.sent_per_rank (with or without "measured"): values in Ψ."""
     psi = rep["param_bytes"]
     out = {"label": label, "ideal": rep["ideal_bytes"] / psi, "gloo": _largest(rep["deepspeed_bytes"]) / psi,
            "nccl": _largest(rep["nccl_bytes"]) / psi}
@@ -65,11 +65,11 @@ def predicted_rows(world_size=2, shape=None, names=None):
     from dslab.zero.runner import SHAPE
 
     trace = zero3_fetch.model_trace(SHAPE if shape is None else shape)
-    rows = [row(name, step_bytes.report(trace, world_size, cfg))
+    rows = [row(name, step_bytes.sent_per_rank(trace, world_size, cfg))
             for name, cfg in setup_configs(world_size, names).items()]
     if names is None or "ZeRO-3 first step" in names:
         cfg = setup_configs(world_size, ["ZeRO-3"])["ZeRO-3"]
-        rows.append(row("ZeRO-3 first step", step_bytes.report(trace, world_size, cfg, first_step=True)))
+        rows.append(row("ZeRO-3 first step", step_bytes.sent_per_rank(trace, world_size, cfg, first_step=True)))
     return rows
 
 

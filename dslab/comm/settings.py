@@ -2,7 +2,7 @@
 
 dslab.comm.step_bytes.deepspeed_collectives asks this module two things:
 
-  gradient_reductions(...)  how ZeRO-1/2 reduces one bucket of gradients (stage_1_and_2.py, average_tensor):
+  bucket_reductions(...)  how ZeRO-1/2 reduces one bucket of gradients (stage_1_and_2.py, average_tensor):
       "reduce_scatter": false            one all-reduce of the bucket (gradient_reduction_w_predivide)
       "use_multi_rank_bucket_allreduce": true (the default)
                                          one all-reduce of the bucket too (allreduce_and_scatter): every rank
@@ -47,7 +47,7 @@ def destination_slices(bucket, numels, world_size):
     return list(owned.items())
 
 
-def gradient_reductions(bucket, numels, world_size, zero):
+def bucket_reductions(bucket, numels, world_size, zero):
     """[(op, elements, root)] ZeRO-1/2 runs for one reduce bucket; zero: the zero_optimization section with
     DeepSpeed's defaults filled in. root is None for an all-reduce."""
     if not zero["reduce_scatter"] or zero["use_multi_rank_bucket_allreduce"]:

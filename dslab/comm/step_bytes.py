@@ -1,6 +1,6 @@
 """Bytes each rank sends in one optimizer step: the ZeRO paper's ideal, DeepSpeed's own algorithm, and measured.
 
-Three numbers per rank, side by side in report() (`dslab comm` prints it):
+Three numbers per rank, side by side in sent_per_rank() (`dslab comm` prints it):
   ideal_bytes(...)            the ZeRO paper's ring formulas: 2(N-1)/N x Ψ bytes for stages 0-2 (a reduce-scatter
                               and an all-gather, one all-reduce's worth), 3(N-1)/N x Ψ for stage 3
   deepspeed_collectives(...)  the collectives DeepSpeed 0.19.8 runs in one step for this parameter list and
@@ -130,7 +130,7 @@ def deepspeed_collectives(trace, world_size, ds_config, first_step=False):
         in_hooks = stage == 2 or zero["overlap_comm"]
         order = ready if in_hooks else range(len(numels))
         for bucket in _close_before_overflow(order, numels, int(zero["reduce_bucket_size"])):
-            for op, numel, root in settings.gradient_reductions(bucket, numels, n, zero):
+            for op, numel, root in settings.bucket_reductions(bucket, numels, n, zero):
                 to = f", to rank {root}, its owner" if op == "reduce" else ""
                 ops.append(_op(op, f"gradients: a reduce bucket of {_parameters(bucket)}{to}", numel, cdt,
                                accum if stage == 2 else 1, root=root))
@@ -220,7 +220,7 @@ def _one_or_list(values):
     return values[0] if len(set(values)) == 1 else list(values)
 
 
-def report(trace, world_size, ds_config, measured=None, first_step=False):
+def sent_per_rank(trace, world_size, ds_config, measured=None, first_step=False):
     """Ideal, DeepSpeed's predicted and (if given) measured bytes per rank for one step: the `dslab comm` JSON.
 
     trace: dslab.comm.zero3_fetch.model_trace(shape), or a bare list of parameter sizes (see deepspeed_collectives).
@@ -307,7 +307,7 @@ def measure(zero_stages, world_size=2, precision="bf16", offload=False, shape=No
     result = launch.run("comm_bytes", world_size=world_size, timeout=timeout, stream=stream, ds_configs=configs,
                         shape=dict(shape or {}), warmup_steps=WARMUP_STEPS)
     _same_parameters(trace, result.results)
-    return [report(trace, world_size, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results])
+    return [sent_per_rank(trace, world_size, cfg, [{"rank": r["rank"], **r["runs"][i]} for r in result.results])
             for i, cfg in enumerate(configs)]
 
 
@@ -323,7 +323,7 @@ def ddp_collectives(trace, world_size, precision="fp32", synced_micro_steps=1):
     """The all-reduces torch DDP runs for synced_micro_steps backward passes: one per gradient bucket each.
 
     After its first step DDP rebuilds its buckets in the order gradients became ready, 1 MiB for the first
-    bucket and 25 MiB after, and all-reduces a bucket once all its gradients are in. trace as in report().
+    bucket and 25 MiB after, and all-reduces a bucket once all its gradients are in. trace as in sent_per_rank().
     """
     trace = trace if isinstance(trace, dict) else zero3_fetch.plain_trace(trace)
     ready = [trace["numels"][i] for i in zero3_fetch.ready_order(trace)]

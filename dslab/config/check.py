@@ -82,7 +82,7 @@ def resolve_world_size(world_size=None):
     return 1, say("world.default")
 
 
-def describe(cfg, world_size=None):
+def summary(cfg, world_size=None):
     """Two short lines: ZeRO stage, precision and offload; then the batch triple."""
     zero = cfg.get("zero_optimization") or {}
     precision = ("bf16" if _enabled(cfg, "bf16") or _enabled(cfg, "bfloat16")

@@ -159,7 +159,7 @@ def check(exercise_id, answer):
         print(error)
         return False
     except Exception as exc:
-        report = feedback.describe(exc)
+        report = feedback.explain(exc)
         if report is None:      # nothing of the learner's in the traceback: a malformed answer, a wrong answer
             ok = False
         else:                   # the learner's own code raised: show where, and what it means

@@ -73,7 +73,7 @@ def learner_frames(tb, learner_files=None):
     return [f for f in frames if not is_library_file(f.filename)]
 
 
-def describe(exc, learner_files=None, where=""):
+def explain(exc, learner_files=None, where=""):
     """The report of an exception raised by the learner's code, or None if none of its frames is the learner's.
 
     `where` (e.g. " on rank 1 of 3") is said after the header's first words."""

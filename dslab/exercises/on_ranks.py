@@ -57,7 +57,7 @@ def run(trial, answers, world_size, case):
 
 
 def _launch(trial, packed_answers, world_size, case):
-    from dslab import hangs, launch
+    from dslab import hang_reports, launch
 
     with tempfile.TemporaryDirectory(prefix="dslab-check-") as tmp:
         spec = Path(tmp) / "spec.json"
@@ -68,7 +68,7 @@ def _launch(trial, packed_answers, world_size, case):
                                     timeout=TIMEOUT_S, hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
         except launch.LaunchError as err:
             report = str(err)
-            where = hangs.blocked(report)
+            where = hang_reports.blocked(report)
             if where:
                 said = "; ".join(f"rank {r} waits in {w['collective']}" for r, w in sorted(where.items()))
                 raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
@@ -99,13 +99,13 @@ def _run_one(trial, packed, case, where):
     try:
         answers, files = shipping.unpack(packed)
     except Exception as exc:   # the learner's cell itself raised while being rebuilt here
-        return {"error": feedback.describe(exc, where=where) or "".join(traceback.format_exception(exc))[-3000:]}
+        return {"error": feedback.explain(exc, where=where) or "".join(traceback.format_exception(exc))[-3000:]}
     try:
         return trial(*answers, case=case)
     except Mistake as mistake:
         return {"mistake": str(mistake)}
     except Exception as exc:
-        report = feedback.describe(exc, learner_files=files, where=where)
+        report = feedback.explain(exc, learner_files=files, where=where)
         return {"error": report} if report else {"failure": "".join(traceback.format_exception(exc))[-4000:]}
 
 

@@ -195,12 +195,9 @@ def schedule_chart(micro_batches=4, stages=2):
     Each box is one schedule step; forward and backward drawn the same width (on a real model a backward
     takes about twice a forward). Empty slots are the bubble.
     """
-    import matplotlib
+    from dslab import plots
 
-    if not _in_notebook():
-        matplotlib.use("Agg")  # no display outside a notebook (tests, slides)
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     rows = schedule_table(micro_batches, stages)
     fig, ax = plt.subplots(figsize=(0.55 * len(rows) + 1.5, 0.6 * stages + 1.0))
     for row in rows:
@@ -218,15 +215,6 @@ def schedule_chart(micro_batches=4, stages=2):
                  f"{bubble:.0%} of each stage's slots idle", fontsize=9)
     fig.tight_layout()
     return fig, rows
-
-
-def _in_notebook():
-    try:
-        from IPython import get_ipython
-
-        return get_ipython() is not None
-    except ImportError:
-        return False
 
 
 # ------------------------------------------------------------------------------------ timing the schedule

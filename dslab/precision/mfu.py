@@ -130,7 +130,7 @@ def setup_config(setup, world_size=1):
                        micro_batch_size=setup["micro_batch_size"], world_size=world_size)
 
 
-def describe(setup):
+def setup_label(setup):
     """'bf16, 1 thread, 4 x 128 tokens' for a sweep setup."""
     threads = setup["threads"]
     return (f"{setup['precision']}, {threads} thread{'s' if threads != 1 else ''}, "
@@ -185,7 +185,7 @@ def sweep(setups, rounds=3, model=None, seed=0):
         fastest = min(s["total"] for s in run["steps"])
         best = best_of[(run["setup"]["precision"], run["setup"]["threads"])]
         achieved = TRAIN_FACTOR * run["forward"] / fastest / 1e9
-        rows.append({"setup": describe(run["setup"]), **run["setup"], "forward_flops": run["forward"],
+        rows.append({"setup": setup_label(run["setup"]), **run["setup"], "forward_flops": run["forward"],
                      "step_seconds": fastest, "achieved_gflops": achieved, "ceiling_gflops": best,
                      "mfu": achieved / best,
                      # each phase's fastest round: forward, backward and the optimizer step

@@ -359,7 +359,7 @@ def generate(n_docs, seed):
     return [document(r) for _ in range(n_docs)]
 
 
-def general_sft(n, seed, exclude=()):
+def make_general_chats(n, seed, exclude=()):
     """General dialogue examples ({"messages": [...], "lang": ...}) to mix into identity tuning."""
     r = random.Random(seed)
     out, seen = [], set(exclude)
@@ -385,7 +385,7 @@ def write_all(out_dir=DATA_DIR, n_train=20000, n_valid=1000, n_sft=1200):
     eval_path = out / "general_eval.jsonl"
     exclude = [json.loads(l)["query"] for l in eval_path.read_text(encoding="utf-8").splitlines() if l.strip()] \
         if eval_path.exists() else []
-    rows = general_sft(n_sft, seed=3, exclude=exclude)
+    rows = make_general_chats(n_sft, seed=3, exclude=exclude)
     paths.append(atomic_write_text(out / "general_sft.jsonl",
                                    "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in rows)))
     return paths

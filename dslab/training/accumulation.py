@@ -375,7 +375,7 @@ def window_runs(base, mine, global_batch, setups=None, lr=0.1):
     return runs
 
 
-def gradient_reductions(comms_dict, min_bytes=1024):
+def logged_gradient_reductions(comms_dict, min_bytes=1024):
     """Gradient reductions in DeepSpeed's comms log (comms_logger.get_raw_data()): (calls, bytes).
 
     Counts all-reduce and reduce-scatter messages of at least `min_bytes`: the smaller ones are the

@@ -32,7 +32,7 @@ class EquivalentError(ValueError):
     """The files a printed command needs cannot be written; the message says why and what to do."""
 
 
-def describe(args):
+def plan_from_args(args):
     """The run, as plain values, from `dslab sft`'s parsed arguments (an argparse Namespace or anything alike)."""
     from dslab import env
 

@@ -5,7 +5,7 @@ Three views of the same question, "how many bytes does each rank keep for the mo
   deepspeed_estimate()  DeepSpeed's estimate_zero2/zero3_model_states_mem_needs, for comparison;
   measured              what live engines hold: dslab.zero.engine_memory.measure_engine on each rank, run by
                         dslab.zero.runner (zero.measure launches ranks; zero.measure_live uses running ones).
-report() puts theory and measured numbers side by side; `dslab estimate` and `dslab measure` print them.
+bytes_per_rank() puts theory and measured numbers side by side; `dslab estimate` and `dslab measure` print them.
 """
 import contextlib
 import math
@@ -283,7 +283,7 @@ def levers(params, world_size, zero_stage=2, muon_fraction=0.5, precision="bf16"
     return rows
 
 
-def report(params, world_size, zero_stage, precision="bf16", offload_optimizer=False, offload_param=False,
+def bytes_per_rank(params, world_size, zero_stage, precision="bf16", offload_optimizer=False, offload_param=False,
            measured=None, **choice):
     """The JSON object `dslab estimate` / `dslab measure` print: theory, and measured per rank if given.
 
@@ -331,7 +331,7 @@ def report_from_results(results, index):
     runs = [r["runs"][index] for r in results]
     first = runs[0]
     measured = [{"rank": r["rank"], **run["memory"]} for r, run in zip(results, runs)]
-    return report(first["params"], len(results), first["zero_stage"], first["precision"],
+    return bytes_per_rank(first["params"], len(results), first["zero_stage"], first["precision"],
                   first["offload_optimizer"], first["offload_param"], measured)
 
 
