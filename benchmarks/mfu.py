@@ -5,6 +5,7 @@ forward FLOPs, checked against dslab.precision.mfu.forward_flops; then each engi
 step followed by the matmul ceiling measured on the same threads (both ranks at once, as they train), so that load
 which comes and goes hits steps and ceiling alike. A step is forward + backward + gradient all-reduce + AdamW.
 """
+import argparse
 import contextlib
 import io
 import tempfile
@@ -18,7 +19,14 @@ from dslab.precision import mfu
 from dslab.config.build import make_config
 from dslab.models.loading import load_model
 
-args = this_rank.recipe_args(micro_batch_size=4, seq_len=128, rounds=4, warmup=2, seed=0)
+parser = argparse.ArgumentParser(description="training MFU of the kit's step on every rank")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--micro_batch_size", type=int, default=4)
+parser.add_argument("--seq_len", type=int, default=128)
+parser.add_argument("--rounds", type=int, default=4)
+parser.add_argument("--warmup", type=int, default=2)
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
 rank, world_size = this_rank.init()
 
 import deepspeed
@@ -76,5 +84,5 @@ for name in engines:
     result["runs"][name] = {"step_seconds": fastest, "achieved_gflops": achieved, "ceiling_gflops": best,
                             "mfu": achieved / best}
 this_rank.print0("  ".join(f"{k}: MFU {v['mfu']:.1%} ({v['achieved_gflops']:.0f} of {v['ceiling_gflops']:.0f} GFLOP/s)"
-                      for k, v in result["runs"].items()))
-this_rank.save_result(result)
+                       for k, v in result["runs"].items()))
+this_rank.save_rank_result(result)

@@ -4,8 +4,10 @@ Run on every rank by benchmarks/course_bench.py through dslab.launch.run. Each p
 (plain PyTorch vs ZeRO-0) lives in memory at the same time and is timed in alternating rounds, so a change in
 the machine's load hits both sides alike. A step is forward + backward + gradient clipping + AdamW update.
 """
+import argparse
 import copy
 import gc
+import json
 import statistics
 import time
 
@@ -15,10 +17,18 @@ from dslab import this_rank
 from dslab.config.build import make_config
 from dslab.models.loading import build_model, count_parameters, tiny_config
 
-args = this_rank.recipe_args(micro_batch_size=4, seq_len=64, rounds=4, steps_per_round=3, warmup=2, seed=0,
-                        stages=[{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-                                {"zero_stage": 2, "offload_optimizer": True},
-                                {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}])
+parser = argparse.ArgumentParser(description="step time of plain PyTorch DDP and of DeepSpeed ZeRO 0-3")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--micro_batch_size", type=int, default=4)
+parser.add_argument("--seq_len", type=int, default=64)
+parser.add_argument("--rounds", type=int, default=4)
+parser.add_argument("--steps_per_round", type=int, default=3)
+parser.add_argument("--warmup", type=int, default=2)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--stages", type=json.loads, default=[  # a JSON list of ZeRO setups, each timed beside ZeRO-0
+    {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"zero_stage": 2, "offload_optimizer": True},
+    {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}])
+args = parser.parse_args()
 rank, world_size = this_rank.init()
 
 import deepspeed
@@ -110,6 +120,6 @@ for setup in args.stages:
 
 median = {k: statistics.median(v) for k, v in results.items()}
 this_rank.print0("  ".join(f"{k}: {v * 1000:.0f} ms" for k, v in median.items()))
-this_rank.save_result({"rank": rank, "world_size": world_size, "params": count_parameters(base),
-                  "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
-                  "threads": torch.get_num_threads(), "seconds": results, "median": median})
+this_rank.save_rank_result({"rank": rank, "world_size": world_size, "params": count_parameters(base),
+                            "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
+                            "threads": torch.get_num_threads(), "seconds": results, "median": median})

@@ -2,14 +2,12 @@
 import atexit
 import contextlib
 import io
-import json
 import logging
 import os
 import random
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 from dslab import files
 from dslab.launch.machine import ensure_build_tools_on_path
@@ -134,41 +132,7 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def _decode(text):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text  # plain strings need no quotes on the command line
-
-
-def recipe_args(argv=None, **defaults):
-    """Parse `--key value` pairs into a namespace; values are JSON-decoded, unknown keys are refused."""
-    argv = sys.argv[1:] if argv is None else argv
-    values = dict(defaults)
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--"):
-            raise SystemExit(f"recipe argument {token!r} is not of the form --key value")
-        key, _, inline = token[2:].partition("=")
-        key = key.replace("-", "_")
-        if key == "local_rank":  # added by launchers run without --no_local_rank
-            i += 1 if inline else 2
-            continue
-        if key not in defaults:
-            raise SystemExit(f"unknown recipe argument --{key}; this recipe takes: {', '.join(sorted(defaults))}")
-        if inline:
-            values[key] = _decode(inline)
-            i += 1
-        else:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"recipe argument --{key} needs a value")
-            values[key] = _decode(argv[i + 1])
-            i += 2
-    return SimpleNamespace(**values)
-
-
-def save_result(obj):
+def save_rank_result(obj):
     """Write this rank's result as JSON (atomically) for dslab.launch to collect."""
     directory = os.environ.get(RESULT_DIR_ENV)
     if not directory:

@@ -32,11 +32,14 @@ torch_dist.barrier()                      # rank 1 waits here; gloo never pairs 
 
 # Rank 0 evaluates for `seconds` without printing while rank 1 waits at the barrier: slow, not hung.
 COMPUTES_SILENTLY = """
+import argparse
 import time
 import torch
 import torch.distributed as torch_dist
 from dslab import this_rank
-args = this_rank.recipe_args(seconds=16.0)
+parser = argparse.ArgumentParser()
+parser.add_argument("--seconds", type=float, default=16.0)
+args = parser.parse_args()
 torch_dist.init_process_group("gloo")
 start = time.monotonic()
 if this_rank.rank() == 0:
@@ -44,7 +47,7 @@ if this_rank.rank() == 0:
     while time.monotonic() - start < args.seconds:
         a = torch.tanh(a @ a)
 torch_dist.barrier()
-this_rank.save_result({"rank": this_rank.rank(), "waited": time.monotonic() - start})
+this_rank.save_rank_result({"rank": this_rank.rank(), "waited": time.monotonic() - start})
 """
 
 SLEEPER = """

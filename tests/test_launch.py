@@ -1,8 +1,11 @@
 """dslab.launch: failures surface with the failing rank's traceback and leave no process behind;
-results come back per rank; a taken master port is replaced; recipe arguments parse as documented."""
+results come back per rank; a taken master port is replaced; the keyword arguments of a launch reach a recipe's
+argparse parser as they were given."""
+import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -17,9 +20,11 @@ from support import assert_no_strays
 
 # Rank scripts import only dslab.this_rank (no torch), so each launch costs little more than the launcher.
 FAILING = """
-import time
+import argparse, time
 from dslab import this_rank
-args = this_rank.recipe_args(fail_rank=1)
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail_rank", type=int, default=1)
+args = parser.parse_args()
 if this_rank.rank() == args.fail_rank:
     raise ValueError(f"rank {this_rank.rank()} fails on purpose")
 time.sleep(120)  # the healthy rank would wait for the failed one forever: the launcher must stop it
@@ -38,12 +43,14 @@ torch_dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which is g
 """
 
 REPORTING = """
-import json
-import os
+import argparse, json, os
 from dslab import this_rank
-args = this_rank.recipe_args(tag="none", numbers=[])
-this_rank.save_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
-                  "numbers": args.numbers, "master_port": int(os.environ["MASTER_PORT"])})
+parser = argparse.ArgumentParser()
+parser.add_argument("--tag", default="none")
+parser.add_argument("--numbers", type=json.loads, default=[])
+args = parser.parse_args()
+this_rank.save_rank_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
+                            "numbers": args.numbers, "master_port": int(os.environ["MASTER_PORT"])})
 """
 
 
@@ -133,49 +140,67 @@ def test_command_line_for_a_recipe_and_for_a_script(tmp_path):
     assert launch.build_command("collectives", 2, 1, "logs", include="localhost:0,1")[1:3] == ["--include", "localhost:0,1"]
 
 
-def test_recipe_kwargs_are_json_encoded():
-    assert launch.encode_value(True) == "true" and launch.encode_value(None) == "null"
-    assert launch.encode_value([1, "a"]) == '[1, "a"]' and launch.encode_value("plain") == "plain"
+# ---- keyword arguments -> command-line words -> a recipe's parser: the same values back --------------------------
+
+def recipe_parser():
+    """A parser as the recipes write one: each form launch.recipe_argv writes."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's, unless --no_local_rank
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--name", default="x")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--sizes", type=json.loads, default=[])
+    parser.add_argument("--shape", type=json.loads, default={})
+    parser.add_argument("--flag", action="store_true")
+    parser.add_argument("--other_flag", action="store_true")
+    return parser
 
 
-# ---- recipe_args: the command-line side of the same contract --------------------------------------
-
-def test_recipe_args_defaults_and_json_values():
-    args = this_rank.recipe_args(["--steps", "8", "--lr", "3e-4", "--flag", "true", "--sizes", "[1, 2]",
-                             "--name", "plain text", "--extra", "null"],
-                            steps=4, lr=1e-3, flag=False, sizes=[], name="x", extra=1, untouched="kept")
-    assert (args.steps, args.lr, args.flag, args.sizes, args.name, args.extra, args.untouched) == \
-        (8, 3e-4, True, [1, 2], "plain text", None, "kept")
+def test_recipe_argv_writes_each_form_a_recipe_declares():
+    assert launch.recipe_argv({"steps": 8, "lr": 3e-4, "name": "plain text", "sizes": [1, "a"], "shape": {"n": 2},
+                               "flag": True, "other_flag": False, "model": None}) == \
+        ["--steps", "8", "--lr", "0.0003", "--name", "plain text", "--sizes", '[1, "a"]', "--shape", '{"n": 2}', "--flag"]
 
 
-def test_recipe_args_equals_form_dashes_and_local_rank():
-    args = this_rank.recipe_args(["--local_rank=1", "--zero-stage=3", "--local_rank", "0", "--tag", "a"],
-                            zero_stage=0, tag="")
-    assert args.zero_stage == 3 and args.tag == "a" and not hasattr(args, "local_rank")
+def test_what_launch_writes_parses_back_to_the_same_values():
+    values = {"steps": 8, "lr": 3e-4, "name": "run one", "sizes": [[0], [1]], "shape": {"hidden_size": 64},
+              "flag": True, "other_flag": False, "model": None}
+    args = vars(recipe_parser().parse_args(launch.recipe_argv(values)))
+    assert args == {**values, "local_rank": -1}
+    # the words of a launch shown as a command line, then split by a shell, are the same words
+    words = launch.recipe_argv(values)
+    assert shlex.split(shlex.join(words)) == words
 
 
-def test_recipe_args_roundtrip_what_launch_encodes():
-    values = {"n": 3, "on": False, "groups": [[0], [1]], "name": "run one"}
-    argv = [part for k, v in values.items() for part in (f"--{k}", launch.encode_value(v))]
-    assert vars(this_rank.recipe_args(argv, n=0, on=True, groups=None, name="")) == values
+def test_a_recipe_parser_takes_the_deepspeed_launchers_local_rank_and_names_unknown_options():
+    parser = recipe_parser()
+    assert parser.parse_args(["--local_rank=1", "--steps", "3"]).local_rank == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stpes", "3"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--stpes", "3"], "unknown recipe argument --stpes; this recipe takes: lr, steps"),
-    (["--steps"], "recipe argument --steps needs a value"),
-    (["steps", "3"], "recipe argument 'steps' is not of the form --key value"),
-])
-def test_recipe_args_errors_say_what_is_wrong(argv, message):
-    with pytest.raises(SystemExit, match=message):
-        this_rank.recipe_args(argv, steps=4, lr=1e-3)
+def test_the_sft_recipe_parses_what_dslab_sft_passes(tmp_path):
+    """Options of `dslab sft` as dslab.training.sft.run hands them to launch.run, parsed by the recipe's own parser;
+    the options left out (at their defaults) get the same defaults there."""
+    from dslab.recipes import sft as recipe
+    from dslab.training import sft
+
+    options = {"output": str(tmp_path / "out"), "zero_stage": 3, "epochs": 2, "full": True, "lr": 1e-4,
+               "data": [str(tmp_path / "a.jsonl")], "model_name": ["鲸", "Whale"], "mix_general": 0,
+               "deepspeed_config": str(tmp_path / "ds.json"), "gradient_checkpointing": True}
+    args = vars(recipe.parse_args(launch.recipe_argv(options)))
+    assert {k: args[k] for k in options} == options
+    assert {k: args[k] for k in sft.RECIPE_DEFAULTS if k not in options} == \
+        {k: v for k, v in sft.RECIPE_DEFAULTS.items() if k not in options}
 
 
-def test_save_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
+def test_save_rank_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):
     monkeypatch.delenv(this_rank.RESULT_DIR_ENV, raising=False)
-    this_rank.save_result({"a": 1})  # nothing to write to, nothing raised
+    this_rank.save_rank_result({"a": 1})  # nothing to write to, nothing raised
     monkeypatch.setenv(this_rank.RESULT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    this_rank.save_result({"a": 1})
+    this_rank.save_rank_result({"a": 1})
     assert os.listdir(tmp_path) == ["rank3.json"]
 
 
@@ -188,8 +213,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
 parser.add_argument("--tag", default="none")
 args = parser.parse_args()
-this_rank.save_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
-                  "local_rank": args.local_rank, "local_size": os.environ.get("LOCAL_SIZE")})
+this_rank.save_rank_result({"rank": this_rank.rank(), "world_size": this_rank.world_size(), "tag": args.tag,
+                            "local_rank": args.local_rank, "local_size": os.environ.get("LOCAL_SIZE")})
 print(f"hello from rank {this_rank.rank()}")
 """
 

@@ -241,6 +241,27 @@ def _take(iterator, n):
     return [next(iterator) for _ in range(n)]
 
 
+# ---- the recipe `dslab sft` runs: its arguments and config are dslab.training.sft's ---------------------------------
+def test_recipe_defaults_are_the_ones_sft_run_leaves_out():
+    from dslab.recipes import sft as recipe
+
+    args = vars(recipe.parse_args(["--output", "out"]))
+    assert {k: args[k] for k in sft.RECIPE_DEFAULTS} == {**sft.RECIPE_DEFAULTS, "output": "out"}
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("full", [False, True])
+def test_recipe_builds_the_config_sft_deepspeed_config_shows(zero_stage, full):
+    """What chapter 06 writes to a file and sft_plan prints as "the config `dslab sft` builds" is what the recipe runs."""
+    from dslab.recipes import sft as recipe
+
+    argv = ["--output", "out", "--zero_stage", str(zero_stage), "--micro_batch_size", "4", "--grad_accum_steps", "2"]
+    args = recipe.parse_args(argv + (["--full"] if full else []))
+    assert recipe.ds_config(args, 2, 50) == sft.deepspeed_config(zero_stage, 2, 4, 2, sft.default_lr(full), 50)
+    args = recipe.parse_args(argv + ["--lr", "1e-4"])
+    assert recipe.ds_config(args, 3, 7) == sft.deepspeed_config(zero_stage, 3, 4, 2, 1e-4, 7)
+
+
 # ---- the recipe `dslab sft` runs: the same per-token step as the chapter's script --------------------------------
 def test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks(
         base_dir, identity_file, tmp_path, monkeypatch):

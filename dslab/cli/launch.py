@@ -18,7 +18,8 @@ def add_commands(subparsers):
     p.add_argument("--run-dir", default=None, help="where per-rank logs and results go (default ./runs)")
     p.add_argument("--verbose", action="store_true", help="also show DeepSpeed's own log lines")
     p.add_argument("script", help="a script path or a dslab recipe name")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="--key value pairs passed to the script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments (a recipe's: see its argparse parser), passed on as typed")
     p.set_defaults(func=_launch)
 
 

@@ -24,8 +24,8 @@ from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_
 from dslab.messages import say
 
 __all__ = ["RECIPES_DIR", "NOISE", "LaunchError", "LaunchResult", "build_command", "check_environment",
-           "display_command", "encode_value", "free_port", "gpu_count", "port_is_free", "recipe_module",
-           "remove_shm_buffers", "remove_stale_shm_buffers", "run", "run_commands", "sh", "torchrun"]
+           "display_command", "free_port", "gpu_count", "port_is_free", "recipe_module",
+           "recipe_argv", "remove_shm_buffers", "remove_stale_shm_buffers", "run", "run_commands", "sh", "torchrun"]
 
 RECIPES_DIR = Path(__file__).parent.parent / "recipes"
 
@@ -35,13 +35,22 @@ def recipe_module(name):
     return f"dslab.recipes.{name}" if (RECIPES_DIR / f"{name}.py").exists() else None
 
 
-def encode_value(value):
-    """A Python value as one command-line word for dslab.this_rank.recipe_args: strings as they are, the rest as JSON."""
-    return value if isinstance(value, str) else json.dumps(value)
+def recipe_argv(recipe_kwargs):
+    """Keyword arguments as the command-line words a recipe's argparse parser reads, in the forms recipes declare:
 
-
-def _recipe_args(recipe_kwargs):
-    return [word for key, value in recipe_kwargs.items() for word in (f"--{key}", encode_value(value))]
+        str, int, float   --key value        (type=str / int / float)
+        list, dict        --key '[1, 2]'     one JSON word (type=json.loads)
+        True              --key              a flag (action="store_true")
+        False, None       (left out)         the recipe's default applies: its flags are off, its optional values None
+    """
+    argv = []
+    for key, value in recipe_kwargs.items():
+        if value is None or value is False:
+            continue
+        argv.append(f"--{key}")
+        if value is not True:
+            argv.append(value if isinstance(value, str) else json.dumps(value))
+    return argv
 
 
 def build_command(recipe, world_size, master_port, log_dir, include=None, args=()):
@@ -85,7 +94,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     """Run `recipe` on `world_size` ranks with the deepspeed launcher and return a LaunchResult.
 
     stream: None/"recipe" echoes what the ranks print (DeepSpeed's own log lines hidden), "all" echoes
-    everything, False echoes nothing. recipe_kwargs become `--key value` arguments (JSON-encoded);
+    everything, False echoes nothing. recipe_kwargs become the recipe's command-line arguments (`recipe_argv`);
     script_args are passed through verbatim. Raises LaunchError, with the failing rank's traceback, on failure.
     hang_timeout: if no rank makes progress for this many seconds, every rank's stack is read with py-spy, the job
     is stopped and LaunchError names the collective each rank waits in (dslab.launch.hang).
@@ -99,7 +108,7 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     port = free_port(master_port)
     if master_port and port != master_port:
         print(f"master port {master_port} is in use; using {port} instead")
-    cmd = build_command(recipe, world_size, port, dirs.logs, include, list(script_args) + _recipe_args(recipe_kwargs))
+    cmd = build_command(recipe, world_size, port, dirs.logs, include, list(script_args) + recipe_argv(recipe_kwargs))
     print("$ " + display_command(cmd), flush=True)
     env = rank_environment(world_size, dirs.results.resolve())
     return run_job(name, [cmd], [env], dirs, world_size, shower(stream, prefix=world_size > 1), timeout, command=cmd,
@@ -121,7 +130,7 @@ def torchrun(recipe, world_size=2, timeout=300, stream=None, run_dir=None, **rec
     name = f"{recipe}-torchrun"
     dirs = fresh_run_dir(name, run_dir)
     cmd = [tool("torchrun"), "--nproc_per_node", str(world_size), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", module, *_recipe_args(recipe_kwargs)]
+           "--master_port", str(free_port()), "-m", module, *recipe_argv(recipe_kwargs)]
     print("$ " + shlex.join(["torchrun"] + cmd[1:]), flush=True)
     env = rank_environment(world_size, dirs.results.resolve())
 

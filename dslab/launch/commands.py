@@ -116,7 +116,7 @@ def run_commands(commands, timeout=None, stream=None, run_dir=None, name=None):
     `--master_port` (accelerate: `--main_process_port`) with a free port (the default, 29500, may belong to another
     job here), and, so that each rank's output can be shown under its rank, `--enable_each_rank_log DIR`
     (deepspeed) or `--tee 3` (torchrun, accelerate). The command printed is the one that runs. Ranks that call
-    dslab.this_rank.save_result leave results (LaunchResult.results); if a node fails, every node is stopped
+    dslab.this_rank.save_rank_result leave results (LaunchResult.results); if a node fails, every node is stopped
     and LaunchError names the rank that failed first, with its traceback.
     """
     commands = [commands] if isinstance(commands, str) else list(commands)

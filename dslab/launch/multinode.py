@@ -105,7 +105,6 @@ def run_local_nodes(script, n_nodes=2, procs_per_node=1, launcher="deepspeed", t
     name = f"{Path(str(script)).stem}-{n_nodes}nodes-{launcher}"
     hostfile = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / f"{name}.hostfile"
     atomic_write_text(hostfile, local_hostfile(n_nodes, procs_per_node))
-    args = list(script_args) + [word for key, value in recipe_kwargs.items()
-                                for word in (f"--{key}", launch.encode_value(value))]
+    args = list(script_args) + launch.recipe_argv(recipe_kwargs)
     commands = node_commands(script, hostfile, n_nodes, procs_per_node, launch.free_port(), launcher, script_args=args)
     return launch.run_commands(commands, timeout=timeout, stream=stream, run_dir=run_dir, name=name)

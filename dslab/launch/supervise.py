@@ -21,7 +21,7 @@ from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env,
 from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers
 from dslab.messages import say
 
-# Where each rank leaves its JSON result (dslab.this_rank.save_result); launch sets it for every rank.
+# Where each rank leaves its JSON result (dslab.this_rank.save_rank_result); launch sets it for every rank.
 RESULT_DIR_ENV = "DSLAB_RESULT_DIR"
 
 # Lines DeepSpeed's own logger writes ("[2026-01-01 10:00:00,123] [INFO] [launch.py:...] ...") and the
@@ -272,7 +272,7 @@ def _raise_failure(name, world_size, rank_logs, outputs, codes, log_dir):
 
 
 def collect_results(result_dir, world_size):
-    """The JSON result each rank left with dslab.this_rank.save_result, by rank (None for a rank that left none)."""
+    """The JSON result each rank left with dslab.this_rank.save_rank_result, by rank (None for a rank that left none)."""
     results = []
     for r in range(world_size):
         path = Path(result_dir) / f"rank{r}.json"

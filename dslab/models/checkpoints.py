@@ -46,17 +46,20 @@ def latest_checkpoint(path):
     return tag_dir, json.loads((tag_dir / STATE_FILE).read_text())
 
 
-def save_checkpoint(engine, directory, step, world_size, zero_stage):
-    """engine.save_checkpoint into a temp tag, renamed to step{N} and recorded in `latest` only when complete.
+def unsealed_tag(step):
+    """The tag every rank first writes step `step`'s checkpoint under (engine.save_checkpoint(directory,
+    tag=unsealed_tag(step), save_latest=False)), until seal_checkpoint renames it: a job killed in between leaves
+    this hidden folder, never a `latest` that names a half-written checkpoint."""
+    return f".tmp-step{step}"
 
-    Every rank must call it: each writes its own shards, then rank 0 seals the checkpoint.
-    """
+
+def seal_checkpoint(engine, directory, step, world_size, zero_stage):
+    """After every rank's engine.save_checkpoint(directory, tag=unsealed_tag(step), save_latest=False): rank 0 adds
+    this kit's state file, renames the folder to step{N} and records it in `latest`. Every rank must call it."""
     import torch.distributed as tdist
 
     directory = Path(directory)
-    tag, tmp_tag = f"step{step}", f".tmp-step{step}"
-    # Trainable parameters only: a LoRA checkpoint stays adapter-sized (the frozen base is on disk already).
-    engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False, exclude_frozen_parameters=True)
+    tag, tmp_tag = f"step{step}", unsealed_tag(step)
     tdist.barrier()  # every rank has written its shards
     if tdist.get_rank() == 0:
         state = {"step": step, "world_size": world_size, "zero_stage": zero_stage,
@@ -70,18 +73,15 @@ def save_checkpoint(engine, directory, step, world_size, zero_stage):
     tdist.barrier()
 
 
-def load_checkpoint(engine, path, world_size, zero_stage):
-    """Load the newest checkpoint `path` holds into the engine; returns the step it was taken at.
-
-    Written by another number of ranks, it is read from the universal copy `check_resume` made before launch
-    (the engine must then have been built with `"checkpoint": {"load_universal": true}`).
-    """
+def resume_point(path, world_size, zero_stage):
+    """(directory, tag, step) of the newest complete checkpoint `path` holds, for engine.load_checkpoint(directory,
+    tag=tag): written by another number of ranks, the tag is the universal copy `check_resume` made before launch
+    (the engine must then have been built with `"checkpoint": {"load_universal": true}`)."""
     tag_dir, state = latest_checkpoint(path)
     if state["zero_stage"] != zero_stage:
         raise CheckpointError(say("resume.zero_stage", what=f"checkpoint {tag_dir}", stage=state["zero_stage"]))
     tag = tag_dir.name if state["world_size"] == world_size else tag_dir.name + UNIVERSAL_SUFFIX
-    engine.load_checkpoint(str(tag_dir.parent), tag=tag, load_module_strict=False)
-    return state["step"]
+    return str(tag_dir.parent), tag, state["step"]
 
 
 def needs_universal(path, world_size):

@@ -1,9 +1,18 @@
 """Gradient accumulation in DeepSpeed: micro x accumulation x ranks sequences make one step, equal to one big batch."""
+import argparse
+
 from dslab import this_rank
 from dslab.training.accumulation import (batch_triples, hf_auto_batch, reference_step, small_lm, token_batch, window_runs,
                                 window_setups)
 
-args = this_rank.recipe_args(micro_batch_size=2, grad_accum_steps=4, seq_len=32, lr=0.1, seed=0)
+parser = argparse.ArgumentParser(description="DeepSpeed's accumulated step vs one big batch")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--micro_batch_size", type=int, default=2)
+parser.add_argument("--grad_accum_steps", type=int, default=4)
+parser.add_argument("--seq_len", type=int, default=32)
+parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
 rank, world_size = this_rank.init()
 
 micro, gas = args.micro_batch_size, args.grad_accum_steps
@@ -24,7 +33,7 @@ hf_filled = hf_auto_batch(micro_batch_size=micro, grad_accum_steps=gas)
 
 for name, run in runs.items():
     this_rank.print0(f"{name:21s} ZeRO-{run['zero_stage']} micro {run['micro_batch_size']} x accum "
-                f"{run['grad_accum_steps']} x world {world_size} = {run['train_batch_size']}: "
-                f"step / reference step = {run['step_ratio']:.3f}")
-this_rank.save_result({"rank": rank, "runs": runs, "reference_grad_norm": reference_grad_norm, "triples": triples,
-                  "hf_filled": hf_filled})
+                     f"{run['grad_accum_steps']} x world {world_size} = {run['train_batch_size']}: "
+                     f"step / reference step = {run['step_ratio']:.3f}")
+this_rank.save_rank_result({"rank": rank, "runs": runs, "reference_grad_norm": reference_grad_norm,
+                            "triples": triples, "hf_filled": hf_filled})

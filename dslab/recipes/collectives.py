@@ -1,4 +1,5 @@
 """Chapter 01's live-rank cells as one script a launcher starts: join the group, run the four collectives."""
+import argparse
 import os
 
 import torch
@@ -6,7 +7,10 @@ import torch
 from dslab import this_rank
 from dslab.comm import wire
 
-args = this_rank.recipe_args(numel=4)   # values per rank; divisible by world_size, for reduce-scatter
+parser = argparse.ArgumentParser(description="broadcast, all_reduce, all_gather, reduce_scatter on every rank")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--numel", type=int, default=4)   # values per rank; divisible by world_size, for reduce-scatter
+args = parser.parse_args()
 rank, world_size = this_rank.init()     # deepspeed.init_distributed(): gloo on CPU, nccl on NVIDIA GPUs
 
 import deepspeed.comm as ds_comm   # the same calls as torch.distributed, plus DeepSpeed's comms logger
@@ -39,4 +43,4 @@ ds_comm.reduce_scatter_fn(chunk, x)         # the sum, cut in world_size chunks:
 out["reduce_scatter"] = chunk.tolist()
 
 this_rank.print0(f"{world_size} ranks on {out['backend']}: broadcast, all_reduce, all_gather, reduce_scatter")
-this_rank.save_result(out)
+this_rank.save_rank_result(out)

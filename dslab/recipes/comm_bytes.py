@@ -1,6 +1,8 @@
 """What each rank sends in one optimizer step, per ds_config: DeepSpeed's comms logger and the socket counter."""
+import argparse
 import contextlib
 import io
+import json
 
 import torch
 
@@ -8,10 +10,19 @@ from dslab import this_rank
 from dslab.comm import step_bytes, wire
 from dslab.models.loading import build_model, tiny_config
 
-# ds_configs: one DeepSpeed config per setup, run one after another (dslab.comm.step_bytes.comm_config builds them with
-# "comms_logger": {"enabled": true, "prof_all": true}). ddp: also measure torch DDP, once per no_sync value listed.
-args = this_rank.recipe_args(ds_configs=[], shape={}, seq_len=32, warmup_steps=2, seed=0, ddp=[], ddp_micro_steps=2,
-                        ddp_precision="fp32")
+parser = argparse.ArgumentParser(description="bytes each rank sends in one optimizer step, per ds_config")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+# One DeepSpeed config per setup, run one after another (dslab.comm.step_bytes.comm_config builds them with
+# "comms_logger": {"enabled": true, "prof_all": true}), as one JSON list.
+parser.add_argument("--ds_configs", type=json.loads, default=[])
+parser.add_argument("--shape", type=json.loads, default={})  # tiny_config overrides, a JSON object
+parser.add_argument("--seq_len", type=int, default=32)
+parser.add_argument("--warmup_steps", type=int, default=2)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--ddp", type=json.loads, default=[])  # also measure torch DDP, once per no_sync value listed
+parser.add_argument("--ddp_micro_steps", type=int, default=2)
+parser.add_argument("--ddp_precision", default="fp32")
+args = parser.parse_args()
 rank, world_size = this_rank.init()
 
 import deepspeed                   # after this_rank.init, which quiets DeepSpeed's logs first
@@ -44,5 +55,5 @@ for ds_config in args.ds_configs:
 
 ddp = [step_bytes.ddp_step_bytes(args.shape, no_sync, args.ddp_micro_steps, args.ddp_precision, seq_len=args.seq_len,
                                  warmup_steps=args.warmup_steps, seed=args.seed) for no_sync in args.ddp]
-this_rank.save_result({"rank": rank, "world_size": world_size, "numels": numels if runs else None, "runs": runs,
-                  "ddp": ddp})
+this_rank.save_rank_result({"rank": rank, "world_size": world_size, "numels": numels if runs else None,
+                            "runs": runs, "ddp": ddp})

@@ -3,8 +3,10 @@ that generate different numbers of tokens without synced_gpus.
 
     dslab launch --world-size 2 --hang-timeout 20 hang_demo --case skip_allreduce
     dslab launch --world-size 2 --hang-timeout 20 hang_demo --case zero3_generate
-    dslab launch --world-size 2 hang_demo --case zero3_generate --synced_gpus true    # the fix: it finishes
+    dslab launch --world-size 2 hang_demo --case zero3_generate --synced_gpus    # the fix: it finishes
 """
+import argparse
+
 import deepspeed
 import deepspeed.comm as ds_comm
 import torch
@@ -12,10 +14,12 @@ import torch
 from dslab import this_rank
 from dslab.models import loading
 
-CASES = ("skip_allreduce", "zero3_generate")
-args = this_rank.recipe_args(case="skip_allreduce", synced_gpus=False, model=None)
-if args.case not in CASES:
-    raise SystemExit(f"unknown --case {args.case!r}; choose one of {', '.join(CASES)}")
+parser = argparse.ArgumentParser(description="two real hangs, to catch with dslab launch --hang-timeout S")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--case", choices=["skip_allreduce", "zero3_generate"], default="skip_allreduce")
+parser.add_argument("--synced_gpus", action="store_true")  # zero3_generate's fix
+parser.add_argument("--model", default=None)  # zero3_generate's model (default: dslab-tiny)
+args = parser.parse_args()
 rank, world_size = this_rank.init()   # deepspeed.init_distributed(): gloo on CPU
 
 if args.case == "skip_allreduce":

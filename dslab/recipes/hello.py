@@ -1,4 +1,5 @@
 """Your first multi-rank job: every rank says who it is, and one all-reduce proves the ranks can talk."""
+import argparse
 import socket
 
 import torch
@@ -6,7 +7,9 @@ import torch
 from dslab import this_rank
 from dslab.comm import wire
 
-args = this_rank.recipe_args()          # this recipe takes no arguments
+parser = argparse.ArgumentParser(description="every rank says who it is; one all-reduce")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+args = parser.parse_args()              # this recipe takes no other argument
 rank, world_size = this_rank.init()     # join the process group the launcher prepared (gloo on CPU, nccl on GPU)
 
 import deepspeed.comm as ds_comm   # DeepSpeed's wrapper over torch.distributed: the same calls
@@ -19,7 +22,7 @@ x = torch.tensor([rank + 1.0])
 ds_comm.all_reduce(x)
 this_rank.print0(f"hello from {world_size} ranks: all_reduce(rank + 1) = {x.item():g}")
 
-this_rank.save_result({
+this_rank.save_rank_result({
     "rank": rank,
     "world_size": world_size,
     "all_reduce_sum": x.item(),

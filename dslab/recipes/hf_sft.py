@@ -46,7 +46,7 @@ trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, 
                   data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))  # pads labels with -100
 trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # a checkpoint-N folder, or None
 trainer.save_model()  # the adapter, into output_dir; under ZeRO-3 the Trainer gathers it from the ranks first
-hf_bridge.report(trainer, script_args.model)  # chapter 09's measurements; a no-op when run by hand
+hf_bridge.save_trainer_result(trainer, script_args.model)  # chapter 09's measurements; a no-op when run by hand
 # Leave the process group before the interpreter exits: torn down along with the process, gloo's threads can abort
 # a rank that has finished ("terminate called without an active exception"), and the launcher reports a failure.
 torch.distributed.destroy_process_group()

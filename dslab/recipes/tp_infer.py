@@ -1,4 +1,5 @@
 """Greedy generation with the model split across all ranks by DeepSpeed AutoTP (deepspeed.init_inference)."""
+import argparse
 import json
 import os
 
@@ -8,9 +9,21 @@ from dslab import this_rank
 from dslab.models import loading
 from dslab.parallel import tp_infer
 
-args = this_rank.recipe_args(prompts=[], model=None, adapter=None, dtype="fp32", kernel_inject=False,
-                        max_new_tokens=64, chat=False, system=None, temperature=0.0, benchmark_tokens=0, seed=0,
-                        logits=False)
+parser = argparse.ArgumentParser(description="greedy generation with the model split over all ranks (AutoTP)")
+parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher unless --no_local_rank
+parser.add_argument("--prompts", type=json.loads, default=[])  # a JSON list of strings, the same on every rank
+parser.add_argument("--model", default=None)  # a HF directory or hub id (default: dslab-tiny)
+parser.add_argument("--adapter", default=None)  # a LoRA adapter, merged into the model first
+parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+parser.add_argument("--kernel_inject", action="store_true")  # DeepSpeed's fused inference kernels (GPU only)
+parser.add_argument("--max_new_tokens", type=int, default=64)
+parser.add_argument("--chat", action="store_true")  # wrap each prompt in the chat template
+parser.add_argument("--system", default=None)  # the chat's system message
+parser.add_argument("--temperature", type=float, default=0.0)  # 0: greedy
+parser.add_argument("--benchmark_tokens", type=int, default=0)  # also time generating this many tokens
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--logits", action="store_true")  # rank 0 also saves the logits beside its result
+args = parser.parse_args()
 rank, world_size = this_rank.init()
 this_rank.seed_all(args.seed)  # sampling (temperature > 0) then draws the same tokens on every rank
 prompts = tp_infer.same_prompts_on_every_rank(args.prompts)  # raises on every rank if any rank differs
@@ -42,6 +55,7 @@ if args.logits and rank == 0 and os.environ.get(this_rank.RESULT_DIR_ENV):
 
     logits_file = os.path.join(os.environ[this_rank.RESULT_DIR_ENV], "rank0_logits.pt")
     torch.save(out["logits"], logits_file)
-this_rank.save_result({"rank": rank, "world_size": world_size, "prompts": prompts, "completions": out["completions"],
-                  "new_tokens": out["new_tokens"], "logits_file": logits_file, "config": ds_config,
-                  "policy": policy, "layers": tp_infer.layer_table(engine.module), "timing": timing})
+this_rank.save_rank_result({"rank": rank, "world_size": world_size, "prompts": prompts,
+                            "completions": out["completions"], "new_tokens": out["new_tokens"],
+                            "logits_file": logits_file, "config": ds_config, "policy": policy,
+                            "layers": tp_infer.layer_table(engine.module), "timing": timing})

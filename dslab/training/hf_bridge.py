@@ -1,6 +1,7 @@
 """The Hugging Face Trainer on DeepSpeed, measured (chapter 09): which "auto" values of a ds_config the Trainer fills
 and from where, the bytes each rank holds when `from_pretrained` runs with or without ZeRO-3 partitioning, and what
-dslab/recipes/hf_sft.py leaves for the notebook on every rank (`report`, a no-op when the script runs by hand).
+dslab/recipes/hf_sft.py leaves for the notebook on every rank (`save_trainer_result`, a no-op when the script runs by
+hand).
 
 The training itself is plain transformers + peft + DeepSpeed in the recipe; nothing here is needed to train.
 """
@@ -156,8 +157,8 @@ def equals_checkpoint(model, model_path, name="model.layers.0.mlp.gate_proj.weig
 # ----------------------------------------------------------------------------------------------------
 # What each rank of dslab/recipes/hf_sft.py reports
 # ----------------------------------------------------------------------------------------------------
-def report(trainer, model_path):
-    """Save what chapter 09 reads off this rank after training (dslab.this_rank.save_result); a no-op outside
+def save_trainer_result(trainer, model_path):
+    """Save what chapter 09 reads off this rank after training (dslab.this_rank.save_rank_result); a no-op outside
     dslab.launch, so the measurements stay out of a run on a cluster. All ranks must call it (ZeRO-3 gathers)."""
     if not os.environ.get(this_rank.RESULT_DIR_ENV):
         return
@@ -178,7 +179,7 @@ def report(trainer, model_path):
     }
     if engine.zero_optimization_stage() == 3:
         result.update(zero3_report(trainer, model_path))
-    this_rank.save_result(result)
+    this_rank.save_rank_result(result)
 
 
 def zero3_report(trainer, model_path):

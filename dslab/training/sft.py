@@ -1,8 +1,9 @@
 """Supervised fine-tuning (LoRA or full) on N ranks through DeepSpeed: chat data -> each rank's batches, the
 DeepSpeed config, and `run`, which checks everything before it launches dslab/recipes/sft.py on the ranks.
-The last section holds what chapter 05 measures on those ranks (activations, checkpointing cost, model states).
+The last section holds what each rank of a run measures and saves for the notebook (activations, model states).
 
-Checkpoints and resuming: dslab.models.checkpoints. The training loop: dslab.training.loop. The command: dslab.cli.sft.
+Checkpoints and resuming: dslab.models.checkpoints. The command: dslab.cli.sft. What chapter 05 measures in the
+kernel (checkpointing's cost, perplexity, the slides' tables): dslab.training.sft_measure.
 """
 import json
 import threading
@@ -17,8 +18,9 @@ from dslab.messages import say
 DEFAULT_DATA = data.DATA_DIR / "self_cognition.jsonl"
 DEFAULT_NAME = ("小海", "Xiao Hai")  # (zh, en), like ms-swift's --model_name
 DEFAULT_AUTHOR = ("蓝天学院", "Blue Sky Lab")  # (zh, en), like ms-swift's --model_author
-# Every option of dslab/recipes/sft.py with its default. `run` passes only the ones that differ, so the
-# deepspeed command it prints stays short enough to read (and to copy to a cluster).
+# Every option of dslab/recipes/sft.py with the default its parser gives it (tests/test_sft.py checks they agree).
+# `run` passes only the ones that differ, so the deepspeed command it prints stays short enough to read (and to copy
+# to a cluster).
 RECIPE_DEFAULTS = dict(
     model=None, data=None, output=None, zero_stage=2, full=False, epochs=12, lr=None, micro_batch_size=8,
     grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=list(DEFAULT_TARGETS), model_name=list(DEFAULT_NAME),
@@ -238,7 +240,7 @@ def _listed(value, option):
 
 
 # ----------------------------------------------------------------------------------------------------
-# What chapter 05 measures on the ranks (the training itself does not need any of it)
+# What each rank of a run measures for the notebooks (the training itself does not need any of it)
 # ----------------------------------------------------------------------------------------------------
 def activation_bytes(model, batch):
     """Bytes of the tensors autograd keeps from forward for backward (weights excluded), for one batch.
@@ -266,36 +268,6 @@ def activation_bytes(model, batch):
     return sum(kept.values())
 
 
-def checkpointing_cost(model, batch, repeats=3):
-    """{"activation_bytes", "layer_forwards", "seconds"} of one training step (forward + backward).
-
-    layer_forwards counts decoder-layer forward calls: with checkpointing each layer runs twice
-    (once in forward, once recomputed in backward); that recomputation is the speed cost.
-    """
-    import re
-
-    # Count each decoder layer's MLP: it runs inside the layer's forward, also when checkpointing recomputes
-    # it (a hook on the layer itself sees only the outer call in transformers' checkpointing wrapper).
-    layers = [m for n, m in model.named_modules() if re.search(r"layers\.\d+$", n)]
-    calls = [0]
-    hooks = [getattr(layer, "mlp", layer).register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-             for layer in layers]
-    try:
-        nbytes = activation_bytes(model, batch)
-        calls[0] = 0
-        model(**batch).loss.backward()
-        forwards = calls[0]
-        start = time.perf_counter()
-        for _ in range(repeats):
-            model(**batch).loss.backward()
-        seconds = (time.perf_counter() - start) / repeats
-    finally:
-        for h in hooks:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-    return {"activation_bytes": nbytes, "layer_forwards": forwards, "seconds": seconds}
-
-
 def model_states(engine):
     """Bytes of parameters, gradients and optimizer states this rank holds (dslab.zero.engine_memory, chapter 04)."""
     try:
@@ -311,9 +283,11 @@ REPORTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_W
                       "CUDA_VISIBLE_DEVICES", "MASTER_ADDR")
 
 
-def report(engine, examples, tokenizer, loss_log, steps, start_step=0):
-    """What chapter 05 measures on a rank of train_sft.py, saved for dslab.launch to collect; a no-op when the
-    script runs outside dslab.launch (on a cluster), so the measurements stay out of the training itself."""
+def save_run_result(engine, examples, tokenizer, loss_log, steps, start_step=0, seed=0, **extra):
+    """What a rank of a fine-tuning run measured (dslab/recipes/sft.py, chapter 05's train_sft.py), saved for
+    dslab.launch to collect (this_rank.save_rank_result); a no-op when the script runs outside dslab.launch (on a
+    cluster), so the measurements stay out of the training itself. Every rank must call it (ZeRO-3 gathers).
+    seed: the data order's, for the probe batch; extra: more fields (the recipe adds its training time)."""
     import os
 
     from dslab import this_rank
@@ -322,58 +296,19 @@ def report(engine, examples, tokenizer, loss_log, steps, start_step=0):
     if not os.environ.get(this_rank.RESULT_DIR_ENV):
         return
     import torch.distributed as tdist
+    from peft import get_peft_model_state_dict
 
-    probe = next(rank_batches(examples, 0, 1, engine.train_micro_batch_size_per_gpu(), tokenizer.pad_token_id))
-    this_rank.save_result({"rank": tdist.get_rank(), "world_size": tdist.get_world_size(),
-                      "zero_stage": engine.zero_optimization_stage(), "steps": steps, "start_step": start_step,
-                      "examples": len(examples), "loss_log": loss_log,
-                      "final_loss": loss_log[-1]["loss"] if loss_log else None,
-                      "activation_bytes": activation_bytes(engine.module, probe),  # one micro-batch, same on every rank
-                      "model_states": model_states(engine), **lora.trainable_summary(engine.module),
-                      "env": {k: os.environ.get(k) for k in REPORTED_VARIABLES}})
-
-
-def checkpointing_table(micro_batch_size=8):
-    """Chapter 05's gradient-checkpointing measurement as table rows (for the slides): dslab-tiny with the default
-    LoRA, one micro-batch of the SFT data, with and without checkpointing."""
-    from dslab.models import loading, lora
-
-    tokenizer = loading.load_tokenizer()
-    batch = next(rank_batches(tokenize(tokenizer, load_chats()), 0, 1, micro_batch_size, tokenizer.pad_token_id))
-    model = lora.attach_lora(loading.load_model()).train()
-    rows = []
-    for setup in ("plain", "gradient checkpointing"):
-        if setup != "plain":
-            lora.enable_gradient_checkpointing(model)
-        cost = checkpointing_cost(model, batch, repeats=1)
-        rows.append({"setup": setup, "activations kept (MiB)": round(cost["activation_bytes"] / 2 ** 20, 2),
-                     "decoder-layer forwards per step": cost["layer_forwards"]})
-    return rows
-
-
-def lora_vs_full_states(world_size=2, zero_stage=2):
-    """Model-state bytes per rank, LoRA vs full fine-tune of dslab-tiny (the formulas chapter 05 checks against
-    the ranks' measurements): every weight stays in bf16, gradients and Adam states exist only for trainable ones."""
-    from dslab.models import loading, lora
-    from dslab.zero import memory
-
-    counts = lora.trainable_summary(lora.attach_lora(loading.load_model()))
-    rows = []
-    for setup, trainable, weights in (("full fine-tune", counts["frozen"], counts["frozen"]),
-                                      ("LoRA r=16", counts["trainable"], counts["total"])):
-        states = memory.theory(trainable, world_size=world_size, zero_stage=zero_stage)
-        rows.append({"setup": setup, "trainable": trainable, "weights (MiB)": round(2 * weights / 2 ** 20, 2),
-                     "gradients (MiB)": round(states["grads"] / 2 ** 20, 2),
-                     "optimizer states (MiB)": round(states["optimizer"] / 2 ** 20, 2)})
-    return rows
-
-
-def text_perplexity(model, tokenizer, n_blocks=16, seq_len=256):
-    """Perplexity on held-out pretraining text (data/corpus/valid.txt): how much general language survives."""
-    import math
-
-    from dslab.training import loop
-
-    docs = data.read_corpus(data.CORPUS_DIR / "valid.txt")
-    blocks = data.lm_blocks(tokenizer, docs[: 4 * n_blocks], seq_len)[:n_blocks]
-    return math.exp(loop.evaluate_loss(model, ({"input_ids": b, "labels": b} for b in blocks.split(8))))
+    ungathered = None  # what a plain state_dict() holds of the adapter: under ZeRO-3, empty placeholders (0 elements)
+    if hasattr(engine.module, "peft_config"):
+        adapter = get_peft_model_state_dict(engine.module, save_embedding_layers=False)
+        ungathered = sum(v.numel() for v in adapter.values())
+    result = {"rank": tdist.get_rank(), "world_size": tdist.get_world_size(),
+              "zero_stage": engine.zero_optimization_stage(), "steps": steps, "start_step": start_step,
+              "examples": len(examples), "loss_log": loss_log, "final_loss": loss_log[-1]["loss"] if loss_log else None,
+              "model_states": model_states(engine), "ungathered_adapter_numel": ungathered,
+              **lora.trainable_summary(engine.module), "env": {k: os.environ.get(k) for k in REPORTED_VARIABLES},
+              **extra}
+    # Last, as it runs a forward: under ZeRO-3 one may leave weights gathered, which the counts above must not see.
+    probe = next(rank_batches(examples, 0, 1, engine.train_micro_batch_size_per_gpu(), tokenizer.pad_token_id, seed))
+    result["activation_bytes"] = activation_bytes(engine.module, probe)  # one micro-batch, the same on every rank
+    this_rank.save_rank_result(result)

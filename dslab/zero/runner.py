@@ -251,6 +251,7 @@ def try_config(ds_config, timeout=300):
     import io
     import json
     import tempfile
+    from pathlib import Path
 
     from dslab import launch
 
@@ -260,9 +261,11 @@ def try_config(ds_config, timeout=300):
     if "train_micro_batch_size_per_gpu" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = max(1, (total or 1) // accum)
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
+        config_file = Path(run_dir) / "ds_config.json"  # read with --deepspeed_config, as DeepSpeed's examples do
+        config_file.write_text(json.dumps(cfg))
         try:
             result = launch.run("try_config", world_size=1, timeout=timeout, stream=False, run_dir=run_dir,
-                                ds_config=cfg)
+                                deepspeed_config=str(config_file))
         except launch.LaunchError as exc:  # the message ends with the rank's traceback: keep its last line
             lines = [line for line in str(exc).splitlines() if line.strip()]
             raise RuntimeError(lines[-1] if lines else "the run failed") from None
