@@ -23,8 +23,9 @@ os.environ["DSLAB_LANG"] = "en"
 # deepspeed`, a process group.
 MULTIRANK = (
     "tests/test_accumulation.py::test_accumulation_recipe_on_two_ranks",
-    # Checkers that launch ranks (dslab.exercises.on_ranks): each exercise's solution, wrong and hard-coded answers
-    # run in one launch per world size (2 and 3), shared by these tests whichever runs first.
+    # Checkers that launch ranks (dslab.exercises.on_ranks): every exercise's solution, wrong and hard-coded answers
+    # run together in one launch per world size (tests/support.py: run_rank_exercises_together), whichever test is
+    # first; the others read the results.
     *(f"tests/test_exercises.py::{test}[{exercise_id}]"
       for exercise_id in ("01.average_gradients", "03.engine_loop", "04.offload_loop", "07.init_inference",
                           "10.reduce_to_owners", "11.pipeline", "11.tensor_data", "11.ulysses", "12.uneven_fix",

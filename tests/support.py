@@ -131,3 +131,29 @@ def jupyterlab_server(home, module, settings, cwd, extra_args=(), env=None):
             except psutil.NoSuchProcess:
                 pass
         log.close()
+
+
+_RANK_EXERCISES_RUN = []
+
+
+def run_rank_exercises_together():
+    """Once per test session: the answers tests/test_exercises.py and tests/test_exercises_parallel.py check on ranks,
+    every exercise's, run in one launch per world size (dslab.exercises.on_ranks.batched) instead of one per exercise
+    and world size. Starting ranks (the launcher, torch and DeepSpeed imported on every rank) is most of a launch's
+    time on a small machine: benchmarks/rank_startup.py measures it."""
+    if _RANK_EXERCISES_RUN:
+        return
+    _RANK_EXERCISES_RUN.append(True)
+    import test_exercises
+    import test_exercises_parallel
+
+    from dslab.exercises import on_ranks
+
+    with on_ranks.batched():
+        test_exercises.prepare_all_on_ranks(leave_out=RUN_ALONE)
+        test_exercises_parallel.prepare_all_on_ranks(leave_out=RUN_ALONE)
+
+
+# Exercises whose answers keep launches of their own: after other exercises' engines ran in the same ranks, DeepSpeed's
+# flops profiler counts about twice the forward FLOPs of a step (measured: 541,216 for 276,640 on 3 ranks).
+RUN_ALONE = {"13.profiled_flops"}

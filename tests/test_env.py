@@ -180,7 +180,7 @@ def test_format_report_has_every_section(rep):
 
 def test_async_io_is_probed_without_compiler_output():
     """The libaio link test runs with file descriptors 1 and 2 silenced: no "cannot find -laio" on screen."""
-    code = ("from dslab import env, dist; dist.quiet(); import deepspeed; "
+    code = ("from dslab import env, this_rank; this_rank.quiet(); import deepspeed; "
             "a = env.aio_status(); print('compatible' if a['compatible'] else 'absent')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr

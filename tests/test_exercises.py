@@ -13,6 +13,8 @@ import pytest
 from dslab import exercises
 from dslab.exercises import feedback, shipping
 
+import support
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION_FILES = sorted((ROOT / "notebooks" / "solutions").glob("*_solutions.py"))
 SCALE = 3.0   # a module constant the shipped functions below read
@@ -145,15 +147,27 @@ HARD_CODED = {
 EXTRA = {"01.average_gradients": [_average_with_a_typo]}
 
 
+def _prepare_answers(ex):
+    """Run the solution and every known answer of an exercise that starts ranks (later checks reuse the runs)."""
+    answers = [SOLUTIONS[ex.id], *(a for a, _ in ex.wrong), *EXTRA.get(ex.id, [])]
+    if ex.id in HARD_CODED:
+        answers.append(HARD_CODED[ex.id])
+    ex.prepare(answers)
+
+
+def prepare_all_on_ranks(leave_out=()):
+    """Every exercise of this file that starts ranks, prepared (within support.run_rank_exercises_together)."""
+    for exercise_id in IDS:
+        if exercises.get(exercise_id).prepare is not None and exercise_id not in leave_out:
+            _prepare_answers(exercises.get(exercise_id))
+
+
 def _prepared(exercise_id):
-    """Run the solution and every known answer of an exercise that starts ranks, all in one launch per world size
-    (later checks of the same answers reuse the runs)."""
+    """The exercise; one that starts ranks has every known answer run first, those of all such exercises together."""
     ex = exercises.get(exercise_id)
     if ex.prepare is not None:
-        answers = [SOLUTIONS[exercise_id], *(a for a, _ in ex.wrong), *EXTRA.get(exercise_id, [])]
-        if exercise_id in HARD_CODED:
-            answers.append(HARD_CODED[exercise_id])
-        ex.prepare(answers)
+        support.run_rank_exercises_together()
+        _prepare_answers(ex)    # what the batch could not run (it failed as a whole) runs now, per exercise
     return ex
 
 

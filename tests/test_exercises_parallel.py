@@ -3,8 +3,8 @@
 drawn at check time, and what the checker measures around it is what DeepSpeed does; every usual mistake is refused
 with the message naming it; an answer that types in the chapter's numbers fails; cases never repeat the chapter's.
 
-Each exercise's solution, wrong answers and hard-coded answers run in one launch per world size (its `prepare`), shared
-with tests/test_exercises.py when both run in one session.
+Each exercise's solution, wrong answers and hard-coded answers run in the launches every exercise on ranks shares, one
+per world size, with tests/test_exercises.py's answers (tests/support.py: run_rank_exercises_together).
 """
 import contextlib
 import functools
@@ -17,6 +17,8 @@ import pytest
 
 from dslab import exercises
 from dslab.exercises import ch10, ch11_pipeline, ch11_tensor_data, ch11_ulysses, ch12, ch13, on_ranks
+
+import support
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = {}
@@ -125,12 +127,26 @@ HARD_CODED = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _prepared(exercise_id):
-    """Run the solution, the registered wrong answers and the hard-coded one, one launch per world size."""
+def _prepare_answers(exercise_id):
+    """Run the solution, the registered wrong answers and the hard-coded one (later checks reuse the runs)."""
     ex = exercises.get(exercise_id)
     ex.prepare([SOLUTIONS[exercise_id], *(answer for answer, _ in ex.wrong), HARD_CODED[exercise_id][0]])
     return ex
+
+
+def prepare_all_on_ranks(leave_out=()):
+    """Every exercise of this file, prepared (within support.run_rank_exercises_together)."""
+    for exercise_id in ON_RANKS:
+        if exercise_id not in leave_out:
+            _prepare_answers(exercise_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepared(exercise_id):
+    """The exercise, every known answer run first: those of all exercises on ranks together, one launch per world
+    size (what a batch could not run runs now, per exercise)."""
+    support.run_rank_exercises_together()
+    return _prepare_answers(exercise_id)
 
 
 def _said(exercise_id, answer):

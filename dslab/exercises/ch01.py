@@ -172,15 +172,11 @@ def _divide_by_two(model):
         p.grad /= 2                  # the chapter's world size, hard-coded
 
 
-def _prepare_average_gradients(answers):
-    on_ranks.prepare(TRIAL, [a for a in answers if callable(a)], draw_case)
-
-
 @exercise("01.average_gradients",
           wrong=((_sum_only, "the sum over the"), (_broadcast_from_rank0, "broadcast"),
                  (_reduce_a_copy, "in place"), (_weights_only, "were not averaged"),
                  (_divide_by_two, "you divided the sum by 2, but the check ran on 3 ranks")),
-          prepare=_prepare_average_gradients,
+          prepare=on_ranks.preparer(TRIAL, draw_case),
           hint="write a function average_gradients(model) that, on every rank after loss.backward(), makes each "
                "p.grad the mean over the ranks of that gradient (import torch.distributed inside it).")
 def _check_average_gradients(average_gradients):

@@ -1,7 +1,7 @@
 """Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call checked on 2 ranks.
 
 Solutions: notebooks/solutions/07_solutions.py."""
-from dslab.exercises import Mistake, exercise, expect
+from dslab.exercises import Mistake, exercise, expect, on_ranks
 
 def _wrong_init_inference(**kwargs):
     """A make_engine that calls init_inference with these arguments (one of the known wrong answers)."""
@@ -103,17 +103,9 @@ def _nothing_more(case, results):
 def check_init_inference(make_engine):
     """Run the learner's `make_engine(model)` on 2 launched ranks (a question drawn now) and compare the engine's greedy
     answer and logits with plain Hugging Face generation in float32; name what is wrong."""
-    from dslab.exercises import on_ranks
-
     if not callable(make_engine):
         raise Mistake("answer with the function itself: answer = make_engine")
     return on_ranks.check(TRIAL, make_engine, draw_case, _nothing_more, world_sizes=(2,))
-
-
-def _prepare_init_inference(answers):
-    from dslab.exercises import on_ranks
-
-    on_ranks.prepare(TRIAL, [a for a in answers if callable(a)], draw_case, world_sizes=(2,))
 
 
 # dslab-tiny: 4 blocks, each with one all-reduce after o_proj and one after down_proj (AutoTP).
@@ -136,4 +128,5 @@ expect("07.v_proj_shard", [64, 256],
        hint="a torch Linear's weight is [out_features, in_features]; AutoTP splits v_proj by output features, "
             "so each of the 2 ranks keeps half of the rows.")
 exercise("07.init_inference", hint="make_engine(model) must return deepspeed.init_inference(model, ...)",
-         wrong=WRONG_INIT_INFERENCE, prepare=_prepare_init_inference)(check_init_inference)
+         wrong=WRONG_INIT_INFERENCE,
+         prepare=on_ranks.preparer(TRIAL, draw_case, world_sizes=(2,)))(check_init_inference)

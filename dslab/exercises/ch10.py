@@ -226,16 +226,12 @@ def _owners_halves(grads):
     return parts[dist.get_rank()] / 2
 
 
-def _prepare_owners(answers):
-    on_ranks.prepare(OWNERS_TRIAL, [a for a in answers if callable(a)], draw_owners_case)
-
-
 @exercise("10.reduce_to_owners",
           wrong=((_owners_all_reduce, "what an all-reduce of the whole buffer sends"),
                  (_owners_sum, "is the sum over the"),
                  (_owners_all_to_rank0, "lands on its dst only"),
                  (_owners_halves, "values; torch.tensor_split cuts")),
-          prepare=_prepare_owners,
+          prepare=on_ranks.preparer(OWNERS_TRIAL, draw_owners_case),
           hint="complete reduce_to_owners(grads): parts = torch.tensor_split(grads, world_size); for each part, "
                "deepspeed.comm.reduce(part, dst=its owner) on every rank; return parts[rank] / world_size.")
 def _check_owners(reduce_to_owners):

@@ -293,10 +293,6 @@ def _pipeline_engine_loop(shape, steps):
     return engine, losses
 
 
-def _prepare_pipeline(answers):
-    on_ranks.prepare(PIPELINE_TRIAL, [a for a in answers if callable(a)], draw_pipeline_case)
-
-
 @exercise("11.pipeline",
           wrong=((_pipeline_two_stages, "num_stages does not divide the ranks"),
                  (_pipeline_batch_counts_ranks, "counts the data-parallel copies of the pipeline"),
@@ -307,7 +303,7 @@ def _prepare_pipeline(answers):
                  (_pipeline_default_partition, "partition_method is left at its default"),
                  (_pipeline_four_blocks, "Blocks; the case"),
                  (_pipeline_engine_loop, "trains only through engine.train_batch")),
-          prepare=_prepare_pipeline,
+          prepare=on_ranks.preparer(PIPELINE_TRIAL, draw_pipeline_case),
           hint="complete train_pipeline(shape, steps): LayerSpecs of pipeline.Embed, shape[\"blocks\"] x "
                "pipeline.Block and pipeline.Head; PipelineModule with one stage per rank, loss_fn=pipeline.lm_loss, "
                "partition_method=\"uniform\", seed_layers=True, base_seed=pipeline.BASE_SEED; a ds_config whose micro "

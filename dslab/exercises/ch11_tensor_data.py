@@ -235,11 +235,6 @@ def _tensor_data_layout_by_hand(model, autotp_size, steps):
 TENSOR_DATA_WORLD_SIZES = (4, 3)   # 2 replicas of 2 ranks; 1 replica of 3
 
 
-def _prepare_tensor_data(answers):
-    on_ranks.prepare(TENSOR_DATA_TRIAL, [a for a in answers if callable(a)], draw_tensor_data_case,
-                     TENSOR_DATA_WORLD_SIZES)
-
-
 @exercise("11.tensor_data",
           wrong=((_tensor_data_by_global_rank, "took different batches"),
                  (_tensor_data_by_tensor_rank, "took different batches"),
@@ -249,7 +244,7 @@ def _prepare_tensor_data(answers):
                  (_tensor_data_two, "autotp_size is 2, the check asked for 3"),
                  (_tensor_data_no_zero, "zero_optimization.stage is 0"),
                  (_tensor_data_layout_by_hand, "but DeepSpeed put it in")),
-          prepare=_prepare_tensor_data,
+          prepare=on_ranks.preparer(TENSOR_DATA_TRIAL, draw_tensor_data_case, TENSOR_DATA_WORLD_SIZES),
           hint="complete train_tensor_data(model, autotp_size, steps): a ds_config with \"tensor_parallel\": "
                "{\"autotp_size\": autotp_size}, ZeRO-1, the micro batch of the data and a train_batch_size that counts "
                "every rank; the two groups from deepspeed.utils.groups as lists of ranks; each replica trains on "

@@ -141,16 +141,12 @@ def _ulysses_detached(q, k, v):
     return _ulysses_answer(q, k, v).detach()                  # no gradient back through the all-to-alls
 
 
-def _prepare_ulysses(answers):
-    on_ranks.prepare(ULYSSES_TRIAL, [a for a in answers if callable(a)], draw_ulysses_case)
-
-
 @exercise("11.ulysses",
           wrong=((_ulysses_not_causal, "without the causal mask"),
                  (_ulysses_own_positions, "attended over its own"),
                  (_ulysses_no_permute, "permutes to sdpa's"),
                  (_ulysses_detached, "carries no gradient")),
-          prepare=_prepare_ulysses,
+          prepare=on_ranks.preparer(ULYSSES_TRIAL, draw_ulysses_case),
           hint="complete ulysses_attention(q, k, v): a local attention that permutes [seq, batch, heads, head_dim] to "
                "sdpa's [batch, heads, seq, head_dim], runs it with is_causal=True and permutes back; wrap it in "
                "DistributedAttention(local_attention, torch.distributed.group.WORLD, scatter_idx=2, gather_idx=0) and "

@@ -7,7 +7,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from dslab.exercises import Mistake, exercise
+from dslab.exercises import Mistake, exercise, on_ranks
 
 # The job of both exercises: 5 samples shared out between 2 ranks, one collective per sample. Rank 0 has three
 # samples and rank 1 two, so rank 0 calls all_reduce once more than rank 1: the job hangs.
@@ -315,16 +315,8 @@ def _generate_with_prompt(model, prompt, new_tokens):
     return _generate_answer(model, prompt, new_tokens, whole=True)
 
 
-def _prepare_generate(answers):
-    from dslab.exercises import on_ranks
-
-    on_ranks.prepare(GENERATE_TRIAL, [a for a in answers if callable(a)], draw_generate_case)
-
-
 def check_generate(generate_on_ranks):
     """Run the learner's generate_on_ranks on 2, then 3 launched ranks (dslab.exercises.on_ranks)."""
-    from dslab.exercises import on_ranks
-
     return on_ranks.check(GENERATE_TRIAL, generate_on_ranks, draw_generate_case, diagnose_generate)
 
 
@@ -332,7 +324,7 @@ exercise("12.zero3_generate",
          wrong=((_generate_unsynced, "without synced_gpus=True"),
                 (_generate_four, "generated 4 tokens"),
                 (_generate_with_prompt, "returned the prompt and the new tokens")),
-         prepare=_prepare_generate,
+         prepare=on_ranks.preparer(GENERATE_TRIAL, draw_generate_case),
          hint="complete generate_on_ranks(model, prompt, new_tokens): deepspeed.initialize with \"zero_optimization\": "
               "{\"stage\": 3}; engine.module.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, "
               "do_sample=False, synced_gpus=True); return the ids after the prompt.")(check_generate)

@@ -293,15 +293,11 @@ def _profile_macs(model, batches, profile_step):
     return _profile_answer(model, batches, profile_step, macs=True)
 
 
-def _prepare_profile(answers):
-    on_ranks.prepare(PROFILE_TRIAL, [a for a in answers if callable(a)], draw_profile_case)
-
-
 @exercise("13.profiled_flops",
           wrong=((_profile_chapters_step, "the forward FLOPs of step 2's batch"),
                  (_profile_rank0_only, "only rank 0 profiles"),
                  (_profile_macs, "the profiler's multiply-adds")),
-          prepare=_prepare_profile,
+          prepare=on_ranks.preparer(PROFILE_TRIAL, draw_profile_case),
           hint="complete profiled_flops(model, batches, profile_step): a ds_config (ZeRO-2, bf16) with "
                "\"flops_profiler\": {\"enabled\": true, \"profile_step\": profile_step}; one training step per batch; "
                "then engine.flops_profiler.flops on rank 0, broadcast to every rank.")

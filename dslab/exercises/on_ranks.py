@@ -4,7 +4,9 @@ Kernel side, `run(trial, answers, world_size, case)`: the answers (each a tuple 
 source (dslab.exercises.shipping), one launch of `dslab/recipes/exercise_trial.py` runs `trial(*answer, case=case)`
 on every rank for each answer in turn, and each rank's result comes back. What ran is remembered for the rest of the
 process, so a test that checks a solution and several wrong answers pays for one launch per world size
-(`prepare`), and checking the same code twice does not start ranks twice.
+(`prepare`), and checking the same code twice does not start ranks twice. Within `batched()`, runs are only noted,
+and the block's end starts one launch per world size for all of them: a test session prepares every exercise's
+answers that way (starting ranks, not running trials, is what costs on a small machine).
 
 Rank side, `serve(spec_file)`: what the recipe calls. An exception in the learner's code becomes the learner's
 trimmed traceback (dslab.exercises.feedback), said from the rank it happened on; a `Mistake` raised by the trial, its
@@ -16,13 +18,16 @@ import io
 import json
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 
 from dslab.exercises import CodeError, Mistake, feedback, shipping
+from dslab.parallel import tensor_parallel
 
 HANG_TIMEOUT_S = 45     # no rank printing or computing for this long: a collective that not every rank joined
-TIMEOUT_S = 900         # a whole launch, every answer in it (ZeRO-3 with offload on 3 ranks of 2 cores included)
+TIMEOUT_S = 900         # one exercise's answers in a launch (ZeRO-3 with offload on 3 ranks of 2 cores included)
 _DONE = {}              # (trial, world_size, packed answer) -> (case, [result of each rank]): what ran already
+_BATCH = None           # inside batched(): world_size -> {key of an answer to run: its case}
 
 
 def _key(trial, world_size, packed):
@@ -49,23 +54,58 @@ def run(trial, answers, world_size, case):
     ranks with each answer, in one launch for all the answers that have not run before (those run with `case`)."""
     keys = [_key(trial, world_size, pack(answer)) for answer in answers]
     todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
+    if _BATCH is not None:     # noted; batched() runs it
+        for key in todo:
+            _BATCH.setdefault(world_size, {}).setdefault(key, case)
+        return None
     if todo:
-        per_rank = _launch(trial, [json.loads(k[2]) for k in todo], world_size, case)
-        for i, key in enumerate(todo):
-            _DONE[key] = (case, [answers_of_rank[i] for answers_of_rank in per_rank])
+        _run_together(world_size, {key: case for key in todo})
     return [_DONE[k] for k in keys]
 
 
-def _launch(trial, packed_answers, world_size, case):
+@contextlib.contextmanager
+def batched():
+    """Within the block `run` (and so `prepare`) only notes what to run; at its end, one launch per world size runs all
+    of it, every trial in turn in the same ranks. A launch that fails as a whole is left out: each of its answers then
+    runs in a launch of its own exercise when it is checked."""
+    global _BATCH
+    outer, _BATCH = _BATCH, {}
+    try:
+        yield
+        pending, _BATCH = _BATCH, outer
+        for world_size, cases in sorted(pending.items()):
+            try:
+                _run_together(world_size, cases)
+            except Mistake as failed:
+                warnings.warn(f"the answers batched for {world_size} ranks did not run together ({failed}); "
+                              "each exercise's run in a launch of its own when it is checked")
+    finally:
+        _BATCH = outer
+
+
+def _run_together(world_size, cases):
+    """One launch on world_size ranks for answers {key: case}, grouped into jobs (one per trial and case)."""
+    jobs = {}
+    for key, case in cases.items():
+        jobs.setdefault((key[0], json.dumps(case, sort_keys=True)), []).append(key)
+    specs = [{"trial": trial, "case": json.loads(case), "answers": [json.loads(k[2]) for k in keys]}
+             for (trial, case), keys in jobs.items()]
+    per_rank = _launch(specs, world_size)
+    for j, keys in enumerate(jobs.values()):
+        for i, key in enumerate(keys):
+            _DONE[key] = (specs[j]["case"], [jobs_of_rank[j][i] for jobs_of_rank in per_rank])
+
+
+def _launch(jobs, world_size):
     from dslab import hang_reports, launch
 
     with tempfile.TemporaryDirectory(prefix="dslab-check-") as tmp:
         spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"trial": trial, "case": case, "answers": packed_answers}), encoding="utf-8")
+        spec.write_text(json.dumps({"jobs": jobs}), encoding="utf-8")
         try:
             with contextlib.redirect_stdout(io.StringIO()):   # the launch prints its command line: not the verdict
                 result = launch.run("exercise_trial", world_size=world_size, run_dir=Path(tmp) / "runs", stream=False,
-                                    timeout=TIMEOUT_S, hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
+                                    timeout=TIMEOUT_S * len(jobs), hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
         except launch.LaunchError as err:
             report = str(err)
             where = hang_reports.blocked(report)
@@ -77,7 +117,7 @@ def _launch(trial, packed_answers, world_size, case):
                               "every rank.") from None
             last = [line.strip() for line in report.splitlines() if line.strip()][-3:]
             raise Mistake(f"the ranks running your code failed on {world_size} ranks: " + " / ".join(last)) from None
-    return [rank_result["answers"] for rank_result in result.results]
+    return [rank_result["jobs"] for rank_result in result.results]
 
 
 def verdicts(results):
@@ -110,20 +150,26 @@ def _run_one(trial, packed, case, where):
 
 
 def serve(spec_file):
-    """On every rank: join the process group, run the trial on each answer of the spec; {"answers": [result, ...]}."""
+    """On every rank: join the process group, run each job's trial on each of its answers;
+    {"jobs": [[result of each answer] of each job]}."""
     import torch.distributed as torch_dist
 
     from dslab import this_rank
 
     spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
     rank, world_size = this_rank.init()
-    module, _, name = spec["trial"].partition(":")
-    trial = getattr(importlib.import_module(module), name)
     results = []
-    for packed in spec["answers"]:
-        results.append(_run_one(trial, packed, spec["case"], f" on rank {rank} of {world_size}"))
-        torch_dist.barrier()   # every rank is done with this answer before the next one starts
-    return {"answers": results}
+    for job in spec["jobs"]:
+        module, _, name = job["trial"].partition(":")
+        trial = getattr(importlib.import_module(module), name)
+        results.append([])
+        for packed in job["answers"]:
+            results[-1].append(_run_one(trial, packed, job["case"], f" on rank {rank} of {world_size}"))
+            torch_dist.barrier()   # every rank is done with this answer before the next one starts
+        # The next exercise's engines start as in a new process: without the parallel groups this one's pipeline or
+        # AutoTP engines left in DeepSpeed's module state (a ZeRO engine would take them for its own).
+        tensor_parallel.forget_groups()
+    return {"jobs": results}
 
 
 # ---------------------------------------------------------------------------------------------- for checkers
@@ -132,8 +178,8 @@ WORLD_SIZES = (2, 3)    # a value that holds on 2 ranks only (a hard-coded "/ 2"
 
 
 def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES):
-    """Run every answer that can travel, one launch per world size, so that checking each of them afterwards
-    starts no rank (tests check a solution and its wrong answers this way)."""
+    """Run every answer that is code and can travel, one launch per world size, so that checking each of them
+    afterwards starts no rank (tests check a solution and its wrong answers this way)."""
     fit = []
     for answer in answers:
         try:
@@ -143,6 +189,11 @@ def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES):
         fit.append(answer)
     for world_size in world_sizes:
         run(trial, fit, world_size, draw_case(world_size))
+
+
+def preparer(trial, draw_case, world_sizes=WORLD_SIZES):
+    """The `prepare=` of an exercise whose checker runs `trial` on ranks (dslab.exercises.exercise)."""
+    return lambda answers: prepare(trial, [a for a in answers if callable(a)], draw_case, world_sizes)
 
 
 def check(trial, answer, draw_case, diagnose, world_sizes=WORLD_SIZES, before=None):
