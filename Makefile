@@ -46,7 +46,7 @@ lab-zh: setup
 # when it ends (--output-sync), not interleaved. The ZeRO widget's browser test comes last, on a quiet machine:
 # it times each re-measurement (under 10 s).
 test: setup
-	@echo "unit tests, notebooks and decks side by side (21 to 25 minutes on 2 cores); each one's output comes when it ends"
+	@echo "unit tests, notebooks and decks side by side (about 25 minutes on 2 cores); each one's output comes when it ends"
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit test-notebooks test-decks-if-chromium
 	$(MAKE) --no-print-directory test-widget-if-chromium
 
@@ -56,7 +56,7 @@ test-fast: setup
 
 # tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
 test-unit: setup
-	$(BIN)/python -m pytest -q tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup

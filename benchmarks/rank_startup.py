@@ -10,6 +10,8 @@ Prints, each the median of --repeats runs on this machine:
 and the ratios that matter: a launch / a call on running ranks, and a launch / the imports alone.
 """
 import argparse
+import contextlib
+import io
 import statistics
 import subprocess
 import sys
@@ -36,7 +38,8 @@ def launch_seconds(world_size):
     from dslab import launch
 
     start = time.perf_counter()
-    launch.run("hello", world_size=world_size, stream=False)
+    with contextlib.redirect_stdout(io.StringIO()):   # the command line it prints
+        launch.run("hello", world_size=world_size, stream=False)
     return time.perf_counter() - start
 
 
