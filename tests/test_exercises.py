@@ -155,10 +155,11 @@ def _prepare_answers(ex):
     ex.prepare(answers)
 
 
-def prepare_all_on_ranks(leave_out=()):
-    """Every exercise of this file that starts ranks, prepared (within support.run_rank_exercises_together)."""
+def prepare_all_on_ranks(chosen):
+    """The exercises of this file that start ranks and `chosen(exercise_id)` accepts, prepared (within
+    support.run_rank_exercises_together)."""
     for exercise_id in IDS:
-        if exercises.get(exercise_id).prepare is not None and exercise_id not in leave_out:
+        if exercises.get(exercise_id).prepare is not None and chosen(exercise_id):
             _prepare_answers(exercises.get(exercise_id))
 
 

@@ -134,10 +134,11 @@ def _prepare_answers(exercise_id):
     return ex
 
 
-def prepare_all_on_ranks(leave_out=()):
-    """Every exercise of this file, prepared (within support.run_rank_exercises_together)."""
+def prepare_all_on_ranks(chosen):
+    """The exercises of this file that `chosen(exercise_id)` accepts, prepared (within
+    support.run_rank_exercises_together)."""
     for exercise_id in ON_RANKS:
-        if exercise_id not in leave_out:
+        if chosen(exercise_id):
             _prepare_answers(exercise_id)
 
 
