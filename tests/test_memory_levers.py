@@ -141,15 +141,15 @@ LEVERS = {
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One real 2-rank run of dslab-tiny's shape under Adam, Muon and bf16 masters + states (ZeRO-2)."""
+def two_ranks(live_two_ranks):
+    """One real 2-rank run of dslab-tiny's shape under Adam, Muon and bf16 masters + states (ZeRO-2), on the session's
+    live ranks (chapter 13 launches the same run_setups with optimizer_states.measure)."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 ranks: 2 GPUs, or the CPU")
     setups = [{"name": name, "ds_config": build.deep_merge(BASE, change)} for name, change in LEVERS.items()]
-    results = optimizer_states.measure(setups, world_size=2, run_dir=tmp_path_factory.mktemp("levers"))
-    return [r["runs"] for r in results]
+    return [r["runs"] for r in live_two_ranks.apply(optimizer_states.run_setups, setups)]
 
 
 def test_measured_optimizer_bytes_match_theory_on_two_ranks(two_ranks):

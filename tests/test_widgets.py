@@ -83,18 +83,9 @@ def test_measure_is_refused_for_world_sizes_this_machine_cannot_run(explorer):
 # ----------------------------------------------------------------------------- on real live ranks
 
 @pytest.fixture(scope="module")
-def ranks():
-    from dslab import live
-
-    running = live.start(world_size=2)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def live_explorer(ranks):
-    """An explorer on 2 live ranks; it measures ZeRO-1 at once (the first run also joins the process group)."""
-    return widgets.ZeroExplorer(ranks=ranks, params=2e6, world_size=2, zero_stage=1)
+def live_explorer(live_two_ranks):
+    """An explorer on the session's 2 live ranks; it measures ZeRO-1 at once."""
+    return widgets.ZeroExplorer(ranks=live_two_ranks, params=2e6, world_size=2, zero_stage=1)
 
 
 def test_live_explorer_measures_at_once_and_shows_its_config(live_explorer):
@@ -110,8 +101,8 @@ def test_live_explorer_measures_at_once_and_shows_its_config(live_explorer):
     assert {r for r, _ in measured} == {0, 1} and ("optimizer" in {p for _, p in measured})
 
 
-def test_stage_and_offload_changes_remeasure_on_the_same_ranks(ranks, live_explorer):
-    z, engines = live_explorer, list(ranks.pids["engines"])
+def test_stage_and_offload_changes_remeasure_on_the_same_ranks(live_two_ranks, live_explorer):
+    z, engines = live_explorer, list(live_two_ranks.pids["engines"])
     z.stage.value = 3                       # what the dropdown does in the browser
     rep = z.measured
     assert rep["zero_stage"] == 3 and rep["ds_config"]["zero_optimization"]["stage"] == 3
@@ -125,7 +116,7 @@ def test_stage_and_offload_changes_remeasure_on_the_same_ranks(ranks, live_explo
     z.stage.value = 2                       # switches offload_param off: one measurement of plain ZeRO-2
     assert (z.measured["zero_stage"], z.measured["offload_param"]) == (2, False)
     assert not z.offload_param.value and z.offload_param.disabled
-    assert ranks.pids["engines"] == engines  # no new processes: the same live ranks re-initialized DeepSpeed
+    assert live_two_ranks.pids["engines"] == engines  # no new processes: the same live ranks re-initialized DeepSpeed
 
 
 def test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fits(live_explorer):
