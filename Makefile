@@ -55,13 +55,8 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
-# In UNIT_WORKERS processes (pytest-xdist): most of a multi-rank test's time is its ranks starting, waiting on each
-# other or on a timeout, so two streams of tests keep 2 cores busy where one leaves them half idle. Each test file
-# goes whole to one process (conftest.py: SHARED_RUNS), so module and session fixtures still run once.
-UNIT_WORKERS ?= 2
 test-unit: setup
-	$(BIN)/python -m pytest -q --durations=25 -n $(UNIT_WORKERS) tests --ignore=tests/browser \
-	    --ignore=tests/test_tools_runs.py
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup

@@ -17,11 +17,6 @@ import pytest
 # The tests and the notebooks' stored outputs are in English, whatever the locale of the machine that runs them
 # (dslab.messages speaks Chinese in a zh_* locale); tests of the Chinese messages set the language themselves.
 os.environ["DSLAB_LANG"] = "en"
-# A run launched without a run_dir goes to ./runs/<recipe>. `make test-unit` runs the tests in 2 processes
-# (pytest-xdist): each gets a runs folder of its own, so two tests launching the same recipe at once do not empty
-# each other's results.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["DSLAB_RUNS_DIR"] = os.path.join("runs", os.environ["PYTEST_XDIST_WORKER"])
 
 # Tests that start ranks, by node id ("file::test" also covers its parametrized cases; "file::test[case]" one
 # case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import
@@ -149,35 +144,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# `make test-unit` runs the tests in 2 processes (pytest-xdist). Each test file goes whole to one of them, so a module's
-# fixture runs once; files whose tests share a session-scoped run go together, to the same process.
-SHARED_RUNS = {
-    "tests/test_exercises.py": "exercises on ranks",            # support.run_rank_exercises_together
-    "tests/test_exercises_parallel.py": "exercises on ranks",
-    "tests/test_accumulation.py": "accumulation recipe",        # the accumulation_on_two_ranks fixture
-    "tests/test_multinode.py": "accumulation recipe",
-    # the live_two_ranks fixture; test_live.py stops the live ranks it starts, so it goes with them, and first (a
-    # group runs in collection order, and the fixture's ranks start with the first test that asks for them)
-    "tests/test_live.py": "live ranks",
-    "tests/test_memory_levers.py": "live ranks",
-    "tests/test_widgets.py": "live ranks",
-}
-
-
-@pytest.hookimpl(optionalhook=True)     # a hook of pytest-xdist's, called only where it runs the tests
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SharedRunScheduling(LoadScopeScheduling):
-        """xdist's scheduling by scope, the scope being a test's file or the group of files that SHARED_RUNS names."""
-
-        def _split_scope(self, nodeid):
-            test_file = nodeid.split("::")[0]
-            return SHARED_RUNS.get(test_file, test_file)
-
-    return SharedRunScheduling(config, log)
-
-
 # --------------------------------------------------------------------------- shared expensive runs
 
 @pytest.fixture(scope="session")
@@ -193,7 +159,7 @@ def accumulation_on_two_ranks(tmp_path_factory):
 def live_two_ranks():
     """2 live ranks (dslab.live) shared by the tests that only use them: test_widgets.py's explorer and
     test_memory_levers.py's optimizer states. live.start is idempotent in a process, so a test that stops ranks
-    itself (test_live.py) must start its own and not take this fixture."""
+    itself (test_live.py, which runs before both) must start its own and not take this fixture."""
     from dslab import live
 
     ranks = live.start(world_size=2)
