@@ -63,7 +63,7 @@ MULTIRANK = (
     "tests/test_memory.py::test_offload_optimizer_measured_on_the_host",  # fixture): all slow or none
     "tests/test_memory.py::test_try_config_names_the_rank_error_quietly",  # a launched rank
     "tests/test_memory_levers.py::test_measured_optimizer_bytes_match_theory_on_two_ranks",  # these two share
-    "tests/test_memory_levers.py::test_bf16_masters_lose_updates_smaller_than_half_a_step",  # one 2-rank launch
+    "tests/test_memory_levers.py::test_bf16_masters_lose_updates_smaller_than_half_a_step",  # the session's live ranks
     "tests/test_multinode.py::test_two_nodes_equal_one_node",
     "tests/test_sft.py::test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly",
     "tests/test_sft.py::test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
@@ -72,7 +72,7 @@ MULTIRANK = (
     "tests/test_tp_infer.py::test_cli_tp2_equals_tp1",
     "tests/test_tp_infer.py::test_different_prompts_on_ranks_are_refused",
     "tests/test_widgets.py::test_live_explorer_measures_at_once_and_shows_its_config",  # these four share the
-    "tests/test_widgets.py::test_stage_and_offload_changes_remeasure_on_the_same_ranks",  # module's live ranks
+    "tests/test_widgets.py::test_stage_and_offload_changes_remeasure_on_the_same_ranks",  # session's live ranks
     "tests/test_widgets.py::test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fits",
     "tests/test_widgets.py::test_live_world_size_other_than_the_ranks_is_theory_only",
     "tests/browser/test_zero_widget.py",
