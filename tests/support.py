@@ -151,13 +151,4 @@ def run_rank_exercises_together():
 
     with on_ranks.batched():
         for module in (test_exercises, test_exercises_parallel):
-            module.prepare_all_on_ranks(lambda exercise_id: exercise_id not in RUN_ALONE)
-    for alone in RUN_ALONE:     # both files' answers of it, still in one launch per world size
-        with on_ranks.batched():
-            for module in (test_exercises, test_exercises_parallel):
-                module.prepare_all_on_ranks(lambda exercise_id: exercise_id == alone)
-
-
-# Exercises whose answers keep launches of their own: after other exercises' engines ran in the same ranks, DeepSpeed's
-# flops profiler counts about twice the forward FLOPs of a step (measured: 541,216 for 276,640 on 3 ranks).
-RUN_ALONE = {"13.profiled_flops"}
+            module.prepare_all_on_ranks()

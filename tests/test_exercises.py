@@ -155,11 +155,10 @@ def _prepare_answers(ex):
     ex.prepare(answers)
 
 
-def prepare_all_on_ranks(chosen):
-    """The exercises of this file that start ranks and `chosen(exercise_id)` accepts, prepared (within
-    support.run_rank_exercises_together)."""
+def prepare_all_on_ranks():
+    """The exercises of this file that start ranks, prepared (within support.run_rank_exercises_together)."""
     for exercise_id in IDS:
-        if exercises.get(exercise_id).prepare is not None and chosen(exercise_id):
+        if exercises.get(exercise_id).prepare is not None:
             _prepare_answers(exercises.get(exercise_id))
 
 

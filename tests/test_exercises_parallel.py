@@ -134,12 +134,10 @@ def _prepare_answers(exercise_id):
     return ex
 
 
-def prepare_all_on_ranks(chosen):
-    """The exercises of this file that `chosen(exercise_id)` accepts, prepared (within
-    support.run_rank_exercises_together)."""
+def prepare_all_on_ranks():
+    """Every exercise of this file, prepared (within support.run_rank_exercises_together)."""
     for exercise_id in ON_RANKS:
-        if chosen(exercise_id):
-            _prepare_answers(exercise_id)
+        _prepare_answers(exercise_id)
 
 
 @functools.lru_cache(maxsize=None)

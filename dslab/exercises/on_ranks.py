@@ -166,10 +166,23 @@ def serve(spec_file):
         for packed in job["answers"]:
             results[-1].append(_run_one(trial, packed, job["case"], f" on rank {rank} of {world_size}"))
             torch_dist.barrier()   # every rank is done with this answer before the next one starts
-        # The next exercise's engines start as in a new process: without the parallel groups this one's pipeline or
-        # AutoTP engines left in DeepSpeed's module state (a ZeRO engine would take them for its own).
-        tensor_parallel.forget_groups()
+        _as_in_a_new_process()
     return {"jobs": results}
+
+
+def _as_in_a_new_process():
+    """Undo what one exercise's engines leave in this process's module state, so the next one's start as in a new process."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as zero3_init
+
+    # The parallel groups of a pipeline or AutoTP engine: a ZeRO engine would take them for its own.
+    tensor_parallel.forget_groups()
+    # A ZeRO-3 engine swaps torch.nn.functional.linear for its own and keeps it there ("This will persist unless
+    # manually reset", partition_parameters.py). The flops profiler would then count each linear layer twice, as
+    # F.linear and as the matmul inside DeepSpeed's (measured: 1,508,256 FLOPs for 775,584).
+    original = getattr(zero3_init, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 # ---------------------------------------------------------------------------------------------- for checkers
