@@ -218,7 +218,7 @@ def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_cont
 
     monkeypatch.chdir(tmp_path)
     identity = _identity_file(tmp_path)
-    save_every, epochs = 4, 40  # 8 chats / 2 ranks / 2 per micro-batch = 2 steps per epoch: 80 steps
+    save_every, epochs = 4, 24  # 8 chats / 2 ranks / 2 per micro-batch = 2 steps per epoch: 48 steps
     reference = sft.run(output=tmp_path / "reference", data=str(identity), mix_general=0, epochs=epochs,
                         micro_batch_size=2, lora_r=4, lora_alpha=8, model_name="Whale", model_author="DSLab",
                         stream=False, timeout=600)
@@ -231,7 +231,7 @@ def test_kill_9_of_the_process_group_of_dslab_sft_leaves_nothing_and_resume_cont
     proc = _sft_cli(*common, "--save-every", str(save_every), cwd=tmp_path)  # a session of its own, as setsid gives
     try:
         _wait_for_first_checkpoint(proc, checkpoints, poll_s=0.05)
-        time.sleep(1.0)  # a few more steps, maybe into the middle of the next checkpoint write
+        time.sleep(0.5)  # a few more steps, maybe into the middle of the next checkpoint write
         assert proc.poll() is None, "training ended before it could be killed; raise epochs"
         job = [p for p in processes_mentioning(str(output)) if p.pid != proc.pid]
         assert len(job) >= 3, job  # the deepspeed command, the per-node launcher, 2 ranks (all name OUTPUT)
