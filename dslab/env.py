@@ -21,6 +21,9 @@ FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
 COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
     ("cpu_adam", "CPUAdamBuilder", "ZeRO-Offload: DeepSpeedCPUAdam updates the offloaded optimizer states"),
+    # engine.py picks FusedAdam for a ds_config's "Adam"/"AdamW" unless the optimizer is offloaded or torch_adam is
+    # set (chapters 02-03, and Muon's Adam half in 13): without this, a learner's first such engine builds it
+    ("fused_adam", "FusedAdamBuilder", "FusedAdam: a ds_config's Adam/AdamW when not offloaded (no torch_adam)"),
 )
 # Probed and reported, never built by the course: the async I/O op links against libaio, and only NVMe offload
 # (ZeRO-Infinity's parameter/optimizer swapping) and DeepSpeed's fast checkpoint writer use it.

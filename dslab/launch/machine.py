@@ -86,8 +86,9 @@ def ensure_build_tools_on_path():
     DeepSpeed checks `ninja --version` on PATH before loading any JIT op, even one already built, and builds with
     whichever ninja comes first. A system ninja (1.11: build log v5) and pip's (1.13: log v7) cannot read each
     other's build log, so processes that alternate between them (an activated venv here, a plain kernel there)
-    rebuild shm_comm and cpu_adam from scratch every time: a minute of CPU per launch. Called before anything
-    starts ranks or joins a process group (dslab.launch, dslab.live, dslab.this_rank.init), and by `dslab prepare`.
+    rebuild the course's ops (shm_comm, cpu_adam, fused_adam) from scratch every time: a minute of CPU per launch.
+    Called before anything starts ranks or joins a process group (dslab.launch, dslab.live, dslab.this_rank.init),
+    and by `dslab prepare`.
     """
     candidates = [Path(sys.executable).parent]
     try:
