@@ -1,7 +1,7 @@
 """Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate`, `measure`, `comm`.
 
-The work is done by dslab.env, dslab.config.build / dslab.config.check, dslab.zero.memory and dslab.zero.runner; this file
-parses the arguments, calls them and prints. Each command returns its exit status.
+The work is done by dslab.env, dslab.config.build / dslab.config.check, dslab.zero.memory and dslab.zero.runner; this
+file parses the arguments, calls them and prints. Each command returns its exit status.
 """
 import contextlib
 import json
@@ -46,7 +46,8 @@ def _add_env_commands(subparsers):
     parser = subparsers.add_parser("env", help="what this machine offers DeepSpeed, and which course features run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=_env)
-    prep = subparsers.add_parser("prepare", help="build the JIT ops the course uses (shm_comm, cpu_adam, fused_adam) now")
+    prep = subparsers.add_parser("prepare", help="build the JIT ops the course uses (shm_comm, cpu_adam, fused_adam) "
+                                 "now")
     prep.add_argument("--only", nargs="+", choices=[name for name, _, _ in env.COURSE_OPS], help="build only these")
     prep.add_argument("--verbose", action="store_true", help="show the compiler's output")
     prep.set_defaults(func=_prepare)

@@ -171,7 +171,7 @@ def serve(spec_file):
 
 
 def _as_in_a_new_process():
-    """Undo what one exercise's engines leave in this process's module state, so the next one's start as in a new process."""
+    """Undo what an exercise's engines left in this process's module state: the next one's start as in a new process."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as zero3_init
 
