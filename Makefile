@@ -13,9 +13,9 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab lab-zh test test-fast test-unit test-unit-busy test-decks-then-waiting test-notebooks \
-        test-notebooks-portable test-browser test-decks-if-chromium test-widget-if-chromium test-gpu slides bench \
-        chromium clean swift llamafactory tool-venvs test-tools
+.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser \
+        test-decks-if-chromium test-widget-if-chromium test-gpu slides bench chromium clean \
+        swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
 
@@ -41,13 +41,13 @@ lab-zh: setup
 
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
-# Three lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests,
-# the notebooks, and the decks' browser checks followed by the unit tests that mostly wait (hang timeouts, processes
-# left to die: WAITING_TESTS), which so use the 2 cores the decks leave idle after two minutes. The ZeRO widget's
-# browser test comes last, on a quiet machine: it times each re-measurement (under 10 s).
+# The unit tests, the notebooks and the decks' browser checks run side by side: all three spend much of their time
+# starting processes and waiting on ranks, so on 2 cores they fill each other's waits. Each one's output is shown
+# when it ends (--output-sync), not interleaved. The ZeRO widget's browser test comes last, on a quiet machine:
+# it times each re-measurement (under 10 s).
 test: setup
-	@echo "unit tests, notebooks and decks side by side (about 19 minutes on 2 cores); each one's output comes when it ends"
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit-busy test-notebooks test-decks-then-waiting
+	@echo "unit tests, notebooks and decks side by side (about 21 minutes on 2 cores); each one's output comes when it ends"
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit test-notebooks test-decks-if-chromium
 	$(MAKE) --no-print-directory test-widget-if-chromium
 
 # The quick loop while editing: no multi-rank or otherwise slow test (markers set in conftest.py).
@@ -55,19 +55,8 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
-UNIT_TESTS := tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
-WAITING_TESTS := tests/test_hang.py tests/test_live.py
-
 test-unit: setup
-	$(BIN)/python -m pytest -q --durations=25 $(UNIT_TESTS)
-
-# `make test`'s split of test-unit: the same tests, the waiting ones in a lane of their own.
-test-unit-busy: setup
-	$(BIN)/python -m pytest -q --durations=25 $(UNIT_TESTS) $(addprefix --ignore=,$(WAITING_TESTS))
-
-test-decks-then-waiting: setup
-	$(MAKE) --no-print-directory test-decks-if-chromium
-	$(BIN)/python -m pytest -q $(WAITING_TESTS)
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup

@@ -159,8 +159,7 @@ def accumulation_on_two_ranks(tmp_path_factory):
 def live_two_ranks():
     """2 live ranks (dslab.live) shared by the tests that only use them: test_widgets.py's explorer and
     test_memory_levers.py's optimizer states. live.start is idempotent in a process, so a test that stops ranks
-    itself (test_live.py: before both in `make test-unit`, in a lane of its own in `make test`) must start its own
-    and not take this fixture."""
+    itself (test_live.py, which runs before both) must start its own and not take this fixture."""
     from dslab import live
 
     ranks = live.start(world_size=2)
