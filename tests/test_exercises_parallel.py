@@ -193,6 +193,35 @@ def test_cases_are_drawn_anew_and_never_the_chapters_numbers():
             assert shape["vocab_size"] % tp["autotp_size"] == 0 and shape["intermediate_size"] % tp["autotp_size"] == 0
 
 
+# In a process of its own: the ZeRO-3 engine changes torch.nn.functional.linear for the whole process.
+ZERO3_THEN_THE_NEXT_EXERCISE = """
+import deepspeed, torch
+from dslab import this_rank
+from dslab.exercises import on_ranks
+this_rank.init_single_process(quiet=True)
+plain = torch.nn.functional.linear
+net = torch.nn.Linear(4, 4)
+deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
+    "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+swapped = torch.nn.functional.linear is not plain
+on_ranks._as_in_a_new_process()     # what serve() does between two exercises' jobs
+print(swapped, torch.nn.functional.linear is plain)
+"""
+
+
+def test_the_next_exercise_gets_torchs_linear_back_after_a_zero3_engine():
+    """A ZeRO-3 engine leaves DeepSpeed's F.linear in place, and the flops profiler would count each linear layer twice
+    in the next exercise's trial (13.profiled_flops after 12.zero3_generate, in one launch); serve() puts torch's back."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ZERO3_THEN_THE_NEXT_EXERCISE], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout[-2000:]
+
+
 @pytest.mark.parametrize("exercise_id", sorted(ON_RANKS))
 def test_solution_passes_and_what_it_measures_holds(exercise_id):
     _prepared(exercise_id)
