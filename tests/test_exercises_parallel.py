@@ -211,8 +211,9 @@ print(swapped, torch.nn.functional.linear is plain)
 
 
 def test_the_next_exercise_gets_torchs_linear_back_after_a_zero3_engine():
-    """A ZeRO-3 engine leaves DeepSpeed's F.linear in place, and the flops profiler would count each linear layer twice
-    in the next exercise's trial (13.profiled_flops after 12.zero3_generate, in one launch); serve() puts torch's back."""
+    """A ZeRO-3 engine leaves DeepSpeed's F.linear in place, and the flops profiler would count each linear layer
+    twice in the next exercise's trial (13.profiled_flops after 12.zero3_generate, in one launch); serve() puts
+    torch's back."""
     import subprocess
     import sys
 
