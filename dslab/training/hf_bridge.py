@@ -179,7 +179,27 @@ def save_trainer_result(trainer, model_path):
     }
     if engine.zero_optimization_stage() == 3:
         result.update(zero3_report(trainer, model_path))
+        settle_gloo_workers()
     this_rank.save_rank_result(result)
+
+
+def settle_gloo_workers(seconds=0.25):
+    """After zero3_report's gathers, and before the script exits: let gloo's worker threads finish with them.
+
+    On CPU, DeepSpeed gathers ZeRO-3 weights with all_gather into narrow views it drops at once, so the views'
+    Python objects live on inside gloo's work. The worker thread that frees a finished work takes the GIL to free
+    them. A worker still waiting for the GIL when the interpreter shuts down is ended inside C++, and the rank aborts
+    ("terminate called without an active exception") after all its work is done; a core dump of such a rank shows
+    exactly that (~AsyncAllgatherWork -> decref -> PyThread_exit_thread). On 2 busy cores a worker can wait longer
+    than the few milliseconds from the last gather to the end of the script. The barrier waits for every earlier
+    collective of the group; the sleep releases the GIL so that a worker not yet scheduled can take it.
+    """
+    import time
+
+    import torch.distributed as tdist
+
+    tdist.barrier()
+    time.sleep(seconds)
 
 
 def zero3_report(trainer, model_path):
