@@ -11,6 +11,8 @@ import functools
 import io
 import random
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,9 +216,6 @@ def test_the_next_exercise_gets_torchs_linear_back_after_a_zero3_engine():
     """A ZeRO-3 engine leaves DeepSpeed's F.linear in place, and the flops profiler would count each linear layer
     twice in the next exercise's trial (13.profiled_flops after 12.zero3_generate, in one launch); serve() puts
     torch's back."""
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-c", ZERO3_THEN_THE_NEXT_EXERCISE], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

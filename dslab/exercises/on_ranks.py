@@ -171,7 +171,7 @@ def serve(spec_file):
 
 
 def _as_in_a_new_process():
-    """Undo what an exercise's engines left in this process's module state: the next one's start as in a new process."""
+    """Undo what an exercise's engines left in this process's module state, so the next one starts as in a new one."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as zero3_init
 
