@@ -49,7 +49,9 @@ def machine():
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "-"
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+    from dslab.launch.machine import usable_cores  # affinity or the cgroup's CPU quota, the fewer
+
+    return {"cpu": cpu, "cores": usable_cores(), "python": platform.python_version(),
             "system": f"{platform.system()} {platform.release()}", **versions}
 
 

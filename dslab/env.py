@@ -9,7 +9,7 @@ import unicodedata
 from importlib import metadata
 from pathlib import Path
 
-from dslab.launch.machine import ensure_build_tools_on_path
+from dslab.launch.machine import cpu_cores, ensure_build_tools_on_path
 from dslab.messages import say
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
@@ -69,11 +69,9 @@ def missing_build_tools(tools=None):
 
 
 def cpu_info():
-    """Usable cores, model name and the bf16/fp16-related flags from /proc/cpuinfo."""
-    try:
-        cores = len(os.sched_getaffinity(0))  # what this process may use (containers, taskset)
-    except AttributeError:
-        cores = os.cpu_count()
+    """Usable cores (affinity or the cgroup's CPU quota, the fewer: dslab.launch.machine.cpu_cores), model name and
+    the bf16/fp16-related flags from /proc/cpuinfo."""
+    cores = cpu_cores()
     model, flags = None, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -85,7 +83,9 @@ def cpu_info():
     except OSError:  # not Linux
         pass
     model = model or platform.processor() or None
-    return {"cores_usable": cores, "cores_total": os.cpu_count(), "model": model,
+    return {"cores_usable": cores["usable"], "cores_total": os.cpu_count(), "cores_affinity": cores["affinity"],
+            "cpu_quota": cores["quota"], "cores_quota": cores["quota_cores"], "cores_limited_by": cores["limited_by"],
+            "model": model,
             "flags": {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}}
 
 
@@ -275,6 +275,16 @@ def machine_facts():
     }
 
 
+def _quota_rows(c, row):
+    """The report's row on the cgroup's CPU quota, when there is one (most laptops have none: no row, the report
+    reads as before): the quota, the threads it allows, the affinity's cores, and which of the two wins."""
+    if c.get("cpu_quota") is None:
+        return []
+    wins = say("env.quota_wins") if c["cores_limited_by"] == "quota" else say("env.affinity_wins")
+    return [row(say("env.quota"), say("env.quota_value", quota=f"{c['cpu_quota']:g}", cores=c["cores_quota"],
+                                      affinity=c["cores_affinity"], wins=wins))]
+
+
 def format_report(rep):
     """The report as aligned text, in the learner's language (dslab.messages)."""
     def row(label, value):  # padded by display width: a Chinese character takes two columns
@@ -292,6 +302,7 @@ def format_report(rep):
     lines += [say("env.cpu"),
               row(say("env.model"), c["model"]),
               row(say("env.cores"), f"{c['cores_usable']} / {c['cores_total']}"),
+              *_quota_rows(c, row),
               row(say("env.flags"), flags),
               row(say("env.memory"), say("env.memory_value", total=rep["memory"]["total_gib"],
                                          available=rep["memory"]["available_gib"]))]

@@ -28,7 +28,7 @@ import psutil
 
 from dslab.launch import hang
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
-from dslab.launch.machine import ensure_build_tools_on_path
+from dslab.launch.machine import ensure_build_tools_on_path, threads_per_rank
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
 
 MASTER_ADDR = "127.0.0.1"   # all ranks on this machine: rank 0's store listens on loopback
@@ -40,14 +40,9 @@ STOP_GRACE_S = 0.5
 _running = None          # the Ranks of this process, if any: live.start is idempotent within a kernel
 
 
-def _threads_per_rank(world_size):
-    """CPU threads each rank may use: the cores this process may run on, shared out among the ranks."""
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
-
-
 def _engine_environment(world_size):
     """Variables every engine starts with (the same on all; the rank-specific ones are set once it is up)."""
-    threads = str(_threads_per_rank(world_size))
+    threads = str(threads_per_rank(world_size))  # the cores this process may use (affinity, CPU quota), shared out
     return {
         # Read by OpenMP when torch loads, so they must be there before the engine imports anything.
         "OMP_NUM_THREADS": threads,
@@ -314,7 +309,7 @@ def start(world_size=2, timeout=300, hang_timeout=None):
         # interactive=False: no progress bar in the notebook's output.
         client.wait_for_engines(world_size, timeout=timeout, interactive=False)
         ranks = Ranks(cluster, client, world_size, master_port, pids, profile_dir, guard)
-        threads = _threads_per_rank(world_size)
+        threads = threads_per_rank(world_size)
         cwd = os.getcwd()
         engine_pids = [client[r].apply_async(_become_rank, r, world_size, MASTER_ADDR, master_port, cwd, threads)
                        for r in range(world_size)]

@@ -19,6 +19,7 @@ from nbclient import NotebookClient
 
 from dslab import live
 from dslab.launch.guard import is_running
+from dslab.launch.machine import usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +85,7 @@ def test_two_live_ranks_train_zero2_bf16_in_lockstep_then_stop_leaves_nothing():
         assert all(e["WORLD_SIZE"] == e["LOCAL_SIZE"] == "2" and e["MASTER_ADDR"] == "127.0.0.1" for e in envs)
         assert {e["MASTER_PORT"] for e in envs} == {str(ranks.master_port)}
         assert all(e["OMP_WAIT_POLICY"] == "PASSIVE" and e["cwd"] == os.getcwd() for e in envs)
-        assert all(e["threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for e in envs)
+        assert all(e["threads"] == max(1, usable_cores() // 2) for e in envs)
 
         results = ranks.apply(_zero2_bf16_steps, 3)
         assert [r["stage"] for r in results] == [2, 2] and all(r["bf16"] for r in results)

@@ -4,7 +4,8 @@ and any other command (`sh`). Every launch follows one path: its output is shown
 the first failing rank is named with its traceback, every process is stopped at the end, and the ranks' results
 are collected. Whatever is started stops when the process that started it dies, even by SIGKILL.
 
-    machine.py    free ports, GPUs, this environment's tools, /dev/shm buffers of finished jobs
+    machine.py    the cores a process may use (affinity, CPU quota) and threads per rank, free ports, GPUs,
+                  this environment's tools, /dev/shm buffers of finished jobs
     guard.py      children die with their owner: the parent-death signal and the guard process (dslab.live too)
     supervise.py  start, follow, stop, name the failing rank, collect (run_job, LaunchResult, LaunchError)
     hang.py       a job no rank of which makes progress: every rank's stack (py-spy), its collective (dslab.live too)

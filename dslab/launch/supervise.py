@@ -18,7 +18,7 @@ from pathlib import Path
 from dslab.files import atomic_write_text
 from dslab.launch import hang
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
-from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers
+from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers, threads_per_rank
 from dslab.messages import say
 
 # Where each rank leaves its JSON result (dslab.this_rank.save_rank_result); launch sets it for every rank.
@@ -89,9 +89,9 @@ def rank_environment(world_size, result_dir):
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars, once per rank
     if not gpu_count():
-        # CPU ranks share the cores: one rank per core slice, or they oversubscribe and crawl.
-        cores = len(os.sched_getaffinity(0))
-        env["OMP_NUM_THREADS"] = str(max(1, cores // world_size))
+        # CPU ranks share the cores: one rank per core slice, or they oversubscribe and crawl. The cores are those
+        # this process may really use: its affinity or its cgroup's CPU quota (a container, a JupyterHub), the fewer.
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size))
         # Idle OpenMP threads sleep instead of spinning, so ranks sharing cores don't steal each other's time.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env

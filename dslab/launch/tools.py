@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
+from dslab.launch.machine import threads_per_rank
 from dslab.launch.supervise import LaunchError
 from dslab.messages import say
 
@@ -69,6 +70,29 @@ def split_tool_command(line):
     return env, argv
 
 
+def ranks_here(parsed):
+    """How many ranks the parsed tool lines start on this machine: each line is a node, with NPROC_PER_NODE ranks
+    (the tools' torchrun setting; 1 where the line does not set it)."""
+    counts = [env.get("NPROC_PER_NODE", "1") for env, _ in parsed]
+    return sum(int(n) if n.isdigit() else 1 for n in counts)
+
+
+def tool_environment(env, bin_dir, ranks):
+    """The environment a tool command line runs with: this one, the line's own assignments (`env`), the tool's venv
+    (`bin_dir`) first on PATH, and OMP_NUM_THREADS for `ranks` ranks sharing this machine's usable cores (affinity or
+    CPU quota: dslab.launch.machine.threads_per_rank) unless the line sets it. Without it, torchrun gives each of
+    several ranks 1 thread and a lone rank starts one thread per core of the server, however small its quota."""
+    full = dict(os.environ, **env)
+    full["PATH"] = f"{bin_dir}{os.pathsep}{full.get('PATH', '')}"
+    full["VIRTUAL_ENV"] = str(bin_dir.parent)
+    full.pop("PYTHONPATH", None)           # dslab's packages must not leak into the tool's venv
+    full.pop("MPLBACKEND", None)           # a notebook's inline backend: matplotlib elsewhere refuses it
+    full.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download: every model and dataset is local
+    full["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(threads_per_rank(ranks)))
+    full.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep: the ranks share the cores
+    return full
+
+
 def run_tool(lines, log_dir, timeout=3600, show=True):
     """Run tool command lines as typed (one per node, started together) and wait for all of them.
 
@@ -86,14 +110,10 @@ def run_tool(lines, log_dir, timeout=3600, show=True):
     job = f"tool-{uuid.uuid4().hex[:12]}"
     guard = start_guard(marker=(JOB_ENV, job))
     procs, logs = [], []
+    ranks = ranks_here(parsed)
     for node, (env, argv) in enumerate(parsed):
         bin_dir = venv_bin(argv[0])
-        full = dict(os.environ, **env, **{JOB_ENV: job})
-        full["PATH"] = f"{bin_dir}{os.pathsep}{full.get('PATH', '')}"
-        full["VIRTUAL_ENV"] = str(bin_dir.parent)
-        full.pop("PYTHONPATH", None)           # dslab's packages must not leak into the tool's venv
-        full.pop("MPLBACKEND", None)           # a notebook's inline backend: matplotlib elsewhere refuses it
-        full.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download: every model and dataset is local
+        full = dict(tool_environment(env, bin_dir, ranks), **{JOB_ENV: job})
         if show:
             print(("# node %d: " % node if len(lines) > 1 else "") + "$ " + lines[node], flush=True)
         log = log_dir / f"node{node}.log"
