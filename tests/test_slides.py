@@ -1,19 +1,26 @@
 """The deck builder (tools/slides.py), the decks in slides/ and the zh/en glossary."""
 import ast
+import builtins
+import contextlib
+import importlib
 import importlib.machinery
+import io
 import json
 import re
 import subprocess
 import sys
+import tokenize
 import types
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
+from dslab import course
 from tools import slides, slides_html, slides_source
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = [f"{n:02d}" for n in range(9)]  # README's chapter table: 00 … 08
+CHAPTERS = [f"{ch.number:02d}" for ch in course.CHAPTERS]  # the course map (dslab/course.py): 00 … 14
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -223,15 +230,25 @@ def test_runs_as_a_script_from_anywhere_and_is_not_a_dslab_command(tmp_path, cap
 # The course's decks
 # ----------------------------------------------------------------------------------------------------
 DECKS = slides_source.deck_paths()
+ZH_DECKS = slides_source.deck_paths(slides_source.ZH_SLIDES_DIR)
+ALL_DECKS = DECKS + ZH_DECKS
+
+
+def deck_id(path):
+    """'04_zero' for an English deck, 'zh/04_zero' for its Chinese twin."""
+    return f"zh/{path.stem}" if path.parent.name == "zh" else path.stem
+
+
 SECTIONS = ["goals", "run it", "takeaways", "common mistakes"]  # headings every deck has
 
 
 def test_every_chapter_has_a_deck():
-    have = {p.name[:2] for p in DECKS}
-    notebooks = {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
-    assert set(CHAPTERS) | notebooks <= have, f"chapters without a deck: {sorted(set(CHAPTERS) | notebooks - have)}"
-    for nb in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"):  # deck named after its notebook
-        assert (ROOT / "slides" / f"{nb.stem}.md").exists(), f"no slides/{nb.stem}.md for {nb.name}"
+    """One deck per chapter of the course map, in each edition, named after its notebook; no other deck."""
+    notebooks = [ch.notebook for ch in course.CHAPTERS]
+    on_disk = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert on_disk == notebooks, "notebooks/ and dslab/course.py's CHAPTERS list other chapters"
+    assert [p.stem for p in DECKS] == notebooks, f"slides/ holds {[p.stem for p in DECKS]}"
+    assert [p.stem for p in ZH_DECKS] == notebooks, f"slides/zh holds {[p.stem for p in ZH_DECKS]}"
 
 
 @pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
@@ -252,7 +269,8 @@ def test_every_deck_names_existing_functions_and_terms():
 
     Cheap (nothing runs); tests/browser/test_slides.py builds every deck strictly, running the code.
     """
-    problems = [f"{p.name} slide {n}: {target}: {why}" for p in DECKS for n, target, why in slides_source.check_deck(p)]
+    problems = [f"{deck_id(p)}.md slide {n}: {target}: {why}" for p in ALL_DECKS
+                for n, target, why in slides_source.check_deck(p)]
     assert not problems, "\n".join(problems)
 
 
@@ -263,6 +281,294 @@ def test_check_finds_missing_names(tmp_path, demo_module):
     assert [n for n, _, _ in found] == [2, 2, 2] and len(found) == 3
     assert "nope" in found[0][2] and "dslab.nowhere" in found[1][2] and "zeroo" in found[2][2]
     assert slides.main(["check", "--src", str(tmp_path)]) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The decks' code blocks, exercises and timings, against the package, the chapters and the guide
+# ----------------------------------------------------------------------------------------------------
+CHECKED_PACKAGES = ("dslab", "deepspeed", "torch")  # imports resolved for real (others: peft, transformers... not)
+RUNNABLE_NAMES = {"json"}  # besides builtins, a block that uses only these (and its own names) runs in the test
+
+
+def python_blocks(path):
+    """(line of the block's first code line, code) for every ```python block of a deck."""
+    lines, blocks, start, fence = path.read_text(encoding="utf-8").splitlines(), [], None, None
+    for number, line in enumerate(lines, 1):
+        m = re.match(r"\s*(```|~~~)\s*(\w*)", line)
+        if m and fence is None:
+            fence, start = m.group(1), number + 1 if m.group(2) == "python" else None
+        elif m and line.strip() == fence:
+            if start is not None:
+                blocks.append((start, "\n".join(lines[start - 1:number - 1])))
+            fence, start = None, None
+    return blocks
+
+
+def strip_magics(code):
+    """IPython's lines (%%px, %magic, !shell) blanked: the rest parses as Python and keeps its line numbers."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+
+
+def imported_names(tree):
+    """{name bound: (module, attribute or None)} for the imports in a syntax tree."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                names[alias.asname or top] = (alias.name if alias.asname else top, None)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            for alias in node.names:
+                names[alias.asname or alias.name] = (node.module, alias.name)
+    return names
+
+
+@lru_cache(maxsize=None)
+def chapter_imports(stem):
+    """{name: [(module, attribute)]} for the imports of the English chapter's code cells: what a deck of the chapter
+    may use without importing it (the zh chapter runs the same code)."""
+    notebook = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text(encoding="utf-8"))
+    found = {}
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            try:
+                tree = ast.parse(strip_magics("".join(cell["source"])))
+            except SyntaxError:
+                continue
+            for name, target in imported_names(tree).items():
+                found.setdefault(name, [])
+                if target not in found[name]:
+                    found[name].append(target)
+    return found
+
+
+@lru_cache(maxsize=None)
+def dslab_module_names():
+    """The last part of every dslab module's name (wire, step_bytes, lora, live ...)."""
+    return frozenset(p.stem for p in (ROOT / "dslab").rglob("*.py") if p.stem != "__init__") \
+        | frozenset(p.parent.name for p in (ROOT / "dslab").rglob("__init__.py"))
+
+
+def resolve(module, attr=None):
+    """What `import module` / `from module import attr` binds; LookupError saying what is missing."""
+    try:
+        obj = importlib.import_module(module)
+    except ModuleNotFoundError:
+        raise LookupError(f"there is no module {module}") from None
+    if attr is None or hasattr(obj, attr):
+        return obj if attr is None else getattr(obj, attr)
+    try:
+        return importlib.import_module(f"{module}.{attr}")
+    except ModuleNotFoundError:
+        raise LookupError(f"{module} has no {attr}") from None
+
+
+def resolve_chain(obj, where, attrs):
+    """Follow attrs through modules and classes (an instance's attributes may be dynamic: the walk stops there)."""
+    for attr in attrs:
+        if not isinstance(obj, (types.ModuleType, type)):
+            return
+        if hasattr(obj, attr):
+            obj = getattr(obj, attr)
+        elif isinstance(obj, types.ModuleType):
+            obj = resolve(obj.__name__, attr)
+        else:
+            raise LookupError(f"{where} has no {attr}")
+        where = f"{where}.{attr}"
+
+
+def check_code_block(code, chapter):
+    """[(line in the block, problem)]: the block's imports and every `name.attr...` whose name is a module it or its
+    chapter imports (from dslab, deepspeed, torch) must exist; a dslab module's name used without any import is a
+    problem too (the deck names something the chapter does not have)."""
+    tree = ast.parse(strip_magics(code))
+    problems, own, outer = [], imported_names(tree), chapter_imports(chapter)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for module, attr in imported_names(ast.Module(body=[node], type_ignores=[])).values():
+                if module.split(".")[0] in CHECKED_PACKAGES:
+                    try:
+                        resolve(module, attr)
+                    except LookupError as exc:
+                        problems.append((node.lineno, f"import: {exc}"))
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    local |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    local |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs}
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Name) or not isinstance(node.ctx, ast.Load) or node.id in local:
+            continue
+        chain, top = [node.id], node
+        while isinstance(parents.get(top), ast.Attribute):
+            top = parents[top]
+            chain.append(top.attr)
+        named = ".".join(chain)
+        bindings = [own[node.id]] if node.id in own else outer.get(node.id, [])
+        if not bindings:
+            if node.id in dslab_module_names() and len(chain) > 1:
+                problems.append((node.lineno, f"{named}: {node.id} is imported neither in the block nor by "
+                                              f"notebooks/{chapter}.ipynb"))
+            continue
+        errors = []
+        for module, attr in bindings:
+            if module.split(".")[0] not in CHECKED_PACKAGES:
+                errors = []
+                break
+            try:
+                resolve_chain(resolve(module, attr), f"{module}.{attr}" if attr else module, chain[1:])
+                errors = []
+                break
+            except LookupError as exc:
+                errors.append(str(exc))
+        if errors:
+            problems.append((node.lineno, f"{named}: {errors[0]}"))
+    return problems
+
+
+def runnable(code):
+    """True for a block that needs nothing but builtins, json and its own names (no ranks, no model, no magics)."""
+    if code != strip_magics(code):
+        return False
+    tree = ast.parse(code)
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree)) \
+        and used <= local | RUNNABLE_NAMES | set(dir(builtins))
+
+
+def run_block(code):
+    """Run a runnable block; every ds_config it defines (a dict with a batch or ZeRO key) must pass dslab's checker
+    for the 2 ranks the chapters run on. [(line, problem)]."""
+    from dslab.config import check
+
+    namespace = {"json": json}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code, "<deck>", "exec"), namespace)
+    problems = []
+    for name, value in namespace.items():
+        if isinstance(value, dict) and {"train_micro_batch_size_per_gpu", "train_batch_size",
+                                        "zero_optimization"} & set(value):
+            for problem in check.check_config(value, world_size=2):
+                problems.append((1, f"{name}: {problem.problem}" + (f" ({problem.fix})" if problem.fix else "")))
+    return problems
+
+
+def deck_code_problems(path, chapter=None):
+    """'deck:line: problem' for every python block of a deck: not Python, names that do not resolve, a runnable
+    block that fails or defines a ds_config dslab's checker refuses."""
+    chapter = chapter or path.stem
+    where = deck_id(path) + ".md"
+    found = []
+    for start, code in python_blocks(path):
+        try:
+            problems = check_code_block(code, chapter)
+        except SyntaxError as exc:
+            found.append(f"{where}:{start + (exc.lineno or 1) - 1}: not Python ({exc.msg}); write `...` where code "
+                         "is left out, as a value")
+            continue
+        if not problems and runnable(code):
+            try:
+                problems = run_block(code)
+            except Exception as exc:  # noqa: BLE001  (any failure of the deck's own code)
+                problems = [(1, f"running the block raised {type(exc).__name__}: {exc}")]
+        found += [f"{where}:{start + line - 1}: {problem}" for line, problem in problems]
+    return found
+
+
+@pytest.mark.parametrize("path", ALL_DECKS, ids=[deck_id(p) for p in ALL_DECKS])
+def test_deck_code_names_what_the_package_and_chapter_have(path):
+    """Every python block of every deck (en and zh) parses; its imports and the attributes it reads from dslab,
+    deepspeed and torch modules exist; a block that needs nothing else runs, and its ds_config passes the checker."""
+    problems = deck_code_problems(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_deck_code_check_names_a_renamed_function(tmp_path, monkeypatch):
+    """A deck that names a function the package does not have (renamed, moved, never written) fails, naming the
+    deck and line; so does an unparsable block, a dslab module the chapter never imports, and a bad ds_config."""
+    from dslab.comm import wire
+
+    deck = _write(tmp_path, "# 10 · Demo\n---\n## Run it\n\n```python\n%%px\nfrom dslab.comm import wire\n"
+                            "before = wire.bytes_written()\n```\n", "10_communication.md")
+    assert deck_code_problems(deck) == []
+    monkeypatch.delattr(wire, "bytes_written")  # the function renamed in the package
+    assert deck_code_problems(deck) == [
+        "10_communication.md:8: wire.bytes_written: dslab.comm.wire has no bytes_written"]
+    monkeypatch.undo()
+
+    text = ("# 06 · Demo\n---\n```python\nfrom dslab import lora\nlora.merge(adapter_dir='a')\n```\n"
+            "```python\nbefore = comm.bytes_written()\nstep_bytes.logged_messages({})\n```\n"
+            "```python\nx = f(a=1, ...)\n```\n"
+            "```python\nds_config = {'train_micro_batch_size_per_gpu': 2, 'zero_optimisation': {'stage': 2}}\n```\n"
+            "```bash\nnot python: ignored\n```\n")
+    found = deck_code_problems(_write(tmp_path, text, "06_merge_lora.md"))
+    assert found[:2] == ["06_merge_lora.md:4: import: dslab has no lora",
+                         "06_merge_lora.md:5: lora.merge: dslab has no lora"]
+    assert found[2] == ("06_merge_lora.md:8: comm.bytes_written: comm is imported neither in the block nor by "
+                        "notebooks/06_merge_lora.ipynb")
+    assert found[3].startswith("06_merge_lora.md:9: step_bytes.logged_messages: step_bytes is imported neither")
+    assert found[4].startswith("06_merge_lora.md:12: not Python")
+    assert found[5].startswith("06_merge_lora.md:15: ds_config: unknown key 'zero_optimisation'")
+    assert len(found) == 6
+    # the chapter's own imports count: chapter 10 imports step_bytes, so a chapter 10 deck may use it unimported
+    ok = _write(tmp_path, "# T\n```python\nstep_bytes.logged_messages({})\n```\n", "10_communication.md")
+    assert deck_code_problems(ok) == []
+
+
+def code_tokens(code):
+    """A block's code as the zh and en decks must share it: its IPython lines and Python tokens, without comments."""
+    magics = [line.strip() for line in code.splitlines() if line.lstrip().startswith(("%", "!"))]
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    tokens = tokenize.generate_tokens(io.StringIO(strip_magics(code)).readline)
+    return magics, [tok.string for tok in tokens if tok.type not in skip]
+
+
+@pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
+def test_zh_deck_shows_the_same_code(path):
+    """The zh deck's python blocks are the en deck's, comments aside (the Chinese edition runs the same code)."""
+    zh = slides_source.ZH_SLIDES_DIR / path.name
+    en_code = [code_tokens(code) for _, code in python_blocks(path)]
+    zh_code = [code_tokens(code) for _, code in python_blocks(zh)]
+    assert len(en_code) == len(zh_code), f"{path.name}: {len(en_code)} python blocks, zh/{path.name}: {len(zh_code)}"
+    for n, (a, b) in enumerate(zip(en_code, zh_code), 1):
+        assert a == b, f"{path.name}: python block {n} differs in zh/{path.name} (beyond its comments)"
+
+
+def exercise_ids(text):
+    """The exercise ids a notebook checks (`exercises.check("NN.name", ...)`)."""
+    return set(re.findall(r'exercises\.check\(\s*\\?"(\d\d\.\w+)', text))
+
+
+@pytest.mark.parametrize("path", ALL_DECKS, ids=[deck_id(p) for p in ALL_DECKS])
+def test_deck_lists_the_chapters_exercises(path):
+    """The exercises slide names exactly the exercises the chapter's notebook checks (and only ids that exist)."""
+    from dslab import exercises
+
+    notebook = ROOT / "notebooks" / ("zh" if path.parent.name == "zh" else "") / f"{path.stem}.ipynb"
+    want = exercise_ids(notebook.read_text(encoding="utf-8"))
+    listed = set(re.findall(r"\*\*(\d\d\.\w+)\*\*", path.read_text(encoding="utf-8")))
+    assert listed == want, f"{deck_id(path)}.md lists {sorted(listed - want)} that the chapter does not check and " \
+                           f"leaves out {sorted(want - listed)}"
+    unknown = listed - set(exercises.registered())
+    assert not unknown, f"{deck_id(path)}.md lists exercises dslab.exercises does not have: {sorted(unknown)}"
+
+
+def guide_minutes(path):
+    """{'NN': teaching minutes} from the instructor guide's timing table."""
+    rows = re.finditer(r"^\| (\d\d) \| [^|]+\| (\d+) (?:min|分钟) \|", path.read_text(encoding="utf-8"), re.M)
+    return {m.group(1): int(m.group(2)) for m in rows}
+
+
+def test_deck_timings_are_the_guides():
+    """Each deck's "about N minutes" is the instructor guide's teaching time for the chapter (en and zh alike)."""
+    en = guide_minutes(ROOT / "docs" / "instructor_guide.md")
+    zh = guide_minutes(ROOT / "docs" / "instructor_guide.zh.md")
+    assert sorted(en) == CHAPTERS and zh == en
+    for path in ALL_DECKS:
+        m = re.search(r"(?:about (\d+) minutes|约 (\d+) 分钟)", path.read_text(encoding="utf-8"))
+        assert m, f"{deck_id(path)}.md: no 'about N minutes' on its title slide"
+        assert int(m.group(1) or m.group(2)) == en[path.name[:2]], \
+            f"{deck_id(path)}.md says {m.group(0)}; docs/instructor_guide.md says {en[path.name[:2]]} min"
 
 
 # ----------------------------------------------------------------------------------------------------
