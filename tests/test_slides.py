@@ -7,6 +7,7 @@ import importlib.machinery
 import io
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tokenize
@@ -513,6 +514,57 @@ def test_deck_code_check_names_a_renamed_function(tmp_path, monkeypatch):
     # the chapter's own imports count: chapter 10 imports step_bytes, so a chapter 10 deck may use it unimported
     ok = _write(tmp_path, "# T\n```python\nstep_bytes.logged_messages({})\n```\n", "10_communication.md")
     assert deck_code_problems(ok) == []
+
+
+def dslab_commands(path):
+    """(line, argv) for every `dslab ...` command in a deck's bash blocks (continuation lines joined, comments cut)."""
+    lines, found, fence, bash, start, logical = path.read_text(encoding="utf-8").splitlines(), [], None, False, 0, ""
+    for number, line in enumerate(lines, 1):
+        m = re.match(r"\s*(```|~~~)\s*(\w*)", line)
+        if m and fence is None:
+            fence, bash = m.group(1), m.group(2) in ("bash", "sh", "shell")
+            continue
+        if m and line.strip() == fence:
+            fence = None
+            continue
+        if fence is None or not bash:
+            continue
+        start, logical = (start if logical else number), logical + line.rstrip().rstrip("\\") + " "
+        if line.rstrip().endswith("\\"):
+            continue
+        words, logical = shlex.split(logical, comments=True), ""
+        at = next((i for i, w in enumerate(words) if w == "dslab" or w.endswith("/dslab")), None)
+        if at is not None and "..." not in words:
+            found.append((start, words[at + 1:]))
+    return found
+
+
+@pytest.mark.parametrize("path", ALL_DECKS, ids=[deck_id(p) for p in ALL_DECKS])
+def test_deck_dslab_commands_parse(path):
+    """Every `dslab` command a deck shows is accepted by the dslab command's own parser (subcommands and flags that
+    exist, values of the right kind); nothing runs."""
+    from dslab.cli import build_parser
+
+    problems = []
+    for line, argv in dslab_commands(path):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                build_parser().parse_args(argv)
+        except SystemExit:
+            said = err.getvalue().strip().splitlines()[-1:] or ["refused"]
+            problems.append(f"{deck_id(path)}.md:{line}: dslab {shlex.join(argv)}: {said[0]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_deck_dslab_command_check_names_a_renamed_flag(tmp_path):
+    """A flag the dslab command does not have (renamed, misspelt) fails, naming deck and line."""
+    deck = _write(tmp_path, "# T\n```bash\nFOO=1 dslab estimate --params 7e9 --world-size 8 \\\n  --zero 2  # ok\n"
+                            "dslab estimate --params 7e9 --zero 2 --world-sizes 8\n.venv/bin/dslab env\ndslab sft ...\n```\n")
+    assert dslab_commands(deck) == [(3, ["estimate", "--params", "7e9", "--world-size", "8", "--zero", "2"]),
+                                    (5, ["estimate", "--params", "7e9", "--zero", "2", "--world-sizes", "8"]), (6, ["env"])]
+    with pytest.raises(AssertionError, match=r"42_demo.md:5: dslab estimate .* --world-sizes 8: dslab: error: unrecognized arguments"):
+        test_deck_dslab_commands_parse(deck)
 
 
 def code_tokens(code):
