@@ -560,10 +560,13 @@ def test_deck_dslab_commands_parse(path):
 def test_deck_dslab_command_check_names_a_renamed_flag(tmp_path):
     """A flag the dslab command does not have (renamed, misspelt) fails, naming deck and line."""
     deck = _write(tmp_path, "# T\n```bash\nFOO=1 dslab estimate --params 7e9 --world-size 8 \\\n  --zero 2  # ok\n"
-                            "dslab estimate --params 7e9 --zero 2 --world-sizes 8\n.venv/bin/dslab env\ndslab sft ...\n```\n")
+                            "dslab estimate --params 7e9 --zero 2 --world-sizes 8\n"
+                            ".venv/bin/dslab env\ndslab sft ...\n```\n")
     assert dslab_commands(deck) == [(3, ["estimate", "--params", "7e9", "--world-size", "8", "--zero", "2"]),
-                                    (5, ["estimate", "--params", "7e9", "--zero", "2", "--world-sizes", "8"]), (6, ["env"])]
-    with pytest.raises(AssertionError, match=r"42_demo.md:5: dslab estimate .* --world-sizes 8: dslab: error: unrecognized arguments"):
+                                    (5, ["estimate", "--params", "7e9", "--zero", "2", "--world-sizes", "8"]),
+                                    (6, ["env"])]
+    renamed = r"42_demo.md:5: dslab estimate .* --world-sizes 8: dslab: error: unrecognized arguments"
+    with pytest.raises(AssertionError, match=renamed):
         test_deck_dslab_commands_parse(deck)
 
 
