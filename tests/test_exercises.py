@@ -113,9 +113,9 @@ def _merge_scaled_by_two(peft_model):
     return peft_model.unload()
 
 
-HARD_CODED_CONFIG = {   # the task's numbers, not "auto": right for one set of arguments only
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+HARD_CODED_CONFIG = {   # one process's train_batch_size written in: the Trainer computes 16 on the chapter's 2 ranks
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 8,
+    "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
 }
 PRINTS_THE_ANSWER = '''\

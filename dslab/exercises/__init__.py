@@ -11,7 +11,8 @@ notebooks/solutions/NN_solutions.py are accepted.
 What the learner reads: "Correct!"; "Not quite: <the mistake>" (a Mistake, or a registered wrong value);
 "Not quite: <hint>" for any other wrong answer; and when their own code raises, their code's traceback, trimmed to
 the lines they wrote, with what that error means (dslab/exercises/feedback.py): an error, not a wrong answer.
-Checkers that run the learner's code on rank processes use dslab/exercises/on_ranks.py.
+Checkers that run the learner's code on rank processes use dslab/exercises/on_ranks.py; checkers that judge a
+ds_config read it as DeepSpeed does (resolved_config, config_problems, resolved_optimizer, below).
 """
 import importlib
 import math
@@ -61,6 +62,92 @@ def require_valid_config(cfg, world_size, device="cpu", note=""):
     problems = check_config(cfg, world_size=world_size, device=device)
     if problems:  # what DeepSpeed would refuse, or silently ignore
         raise Mistake(f"dslab.config.check.check_config finds{note}:\n  " + "\n  ".join(str(p) for p in problems[:3]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# A learner's ds_config as DeepSpeed reads it (the checkers of 02.bf16_config, 09.ds_config, 11.tp_dp_config)
+# ----------------------------------------------------------------------------------------------------
+# deepspeed 0.19.8, runtime/config.py, DeepSpeedConfig.__init__: the world size is dist.get_world_size() when no mpu
+# is given (1 when no process group is up), divided by "sequence_parallel_size" where the config has it;
+# `_configure_train_batch_size` = `_set_batch_related_parameters` (the missing batch key derived by integer division)
+# + `_batch_assertion` (train_batch_size == micro x accumulation x world size, each > 0). runtime/engine.py,
+# `_configure_basic_optimizer` / `get_optimizer_configuration`: "Adam" and "AdamW" pop adam_w_mode (default true,
+# ADAM_W_MODE_DEFAULT) and build AdamW when the type is AdamW or adam_w_mode is true; torch_adam gives torch.optim's
+# AdamW / Adam, an optimizer offload DeepSpeedCPUAdam, else FusedAdam; any other type is getattr(torch.optim, type).
+def resolved_config(cfg, world_size):
+    """DeepSpeed's own DeepSpeedConfig of `cfg` on `world_size` ranks: the batch sizes it derives, bf16, the ZeRO
+    stage, the AutoTP size, the optimizer section, as deepspeed.initialize reads them with no mpu (every rank counts,
+    as in data-parallel and AutoTP training). Mistake quoting DeepSpeed if it refuses the config."""
+    import copy
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    class OnRanks(DeepSpeedConfig):
+        """DeepSpeedConfig with the task's world size instead of this process's (which has no process group)."""
+
+        def _initialize_params(self, param_dict):
+            sequence_parallel = param_dict.get("sequence_parallel_size", 1)
+            self.world_size = world_size / sequence_parallel if sequence_parallel != 1 else world_size
+            super()._initialize_params(param_dict)
+
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)   # it logs the world size and deprecations; a Mistake says what matters
+    try:
+        return OnRanks(copy.deepcopy(cfg))
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError,
+            DeepSpeedConfigError) as err:
+        words = " ".join(line.strip() for line in str(err).splitlines()[:3]) or type(err).__name__
+        raise Mistake(f"DeepSpeed refuses this config on {world_size} ranks ({type(err).__name__} from its "
+                      f"DeepSpeedConfig): {words}") from None
+    finally:
+        logger.setLevel(level)
+
+
+def config_problems(cfg, world_size, device="cpu", allow_auto=False):
+    """dslab.config.check's problems with `cfg` (what DeepSpeed refuses, or ignores without a word), less the older
+    spellings DeepSpeed still reads as the new ones: the "bfloat16" section (runtime/precision_config.py,
+    get_bfloat16_config), "zero_optimization": true (runtime/zero/config.py, read_zero_config_deprecated: stage 1) and
+    deprecated keys. Whether such a config asks for the task's run is judged from what DeepSpeed resolves."""
+    from dslab.config.check import check_config
+    from dslab.messages import say
+
+    read_anyway = {say("check.bfloat16_name"), say("check.zero_bool"), say("check.deprecated")}
+    return [p for p in check_config(cfg, world_size=world_size, device=device, allow_auto=allow_auto)
+            if p.problem not in read_anyway]
+
+
+def resolved_optimizer(ds_config):
+    """(kind, lr, built) of the optimizer the engine builds from a resolved config's "optimizer" section, or None
+    without one. kind: "AdamW" or "Adam" for DeepSpeed's Adam family (adam_w_mode defaults to true: "Adam" is AdamW
+    unless it is false), else the type as written; lr: the section's "lr", else the default of the class the engine
+    builds; built: that class's name (AdamW/Adam with torch_adam, DeepSpeedCPUAdam with an optimizer offload, else
+    FusedAdam; torch.optim's class for other types)."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT, ADAMW_OPTIMIZER
+
+    name = ds_config.optimizer_name
+    if name is None:
+        return None
+    params = dict(ds_config.optimizer_params or {})
+    if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
+        adam_w_mode = name == ADAMW_OPTIMIZER or params.get(ADAM_W_MODE, ADAM_W_MODE_DEFAULT)
+        kind = "AdamW" if adam_w_mode else "Adam"
+        offload = ds_config.zero_config.offload_optimizer
+        if params.get("torch_adam", False):
+            cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        elif offload is not None and getattr(offload.device, "value", offload.device) in ("cpu", "nvme"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+        else:
+            from deepspeed.ops.adam import FusedAdam as cls
+    else:
+        kind, cls = name, getattr(torch.optim, str(name), None)
+    default = inspect.signature(cls.__init__).parameters.get("lr") if cls is not None else None
+    lr = params.get("lr", None if default is None or default.default is inspect.Parameter.empty else default.default)
+    return kind, lr, getattr(cls, "__name__", str(name))
 
 
 def exercise(exercise_id, hint, wrong=(), prepare=None):

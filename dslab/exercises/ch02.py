@@ -1,11 +1,14 @@
-"""Chapter 02 (mixed precision): fp16 fates, DeepSpeed's loss scale, bf16 rounding, an AMP step, a bf16 config.
+"""Chapter 02 (mixed precision): fp16 fates, DeepSpeed's loss scale, bf16 rounding, a bf16 config; the AMP step,
+02.amp_clip, in dslab/exercises/ch02_amp_clip.py.
 
 Solutions: notebooks/solutions/02_solutions.py."""
-import functools
+import math
 
-from dslab.exercises import Mistake, exercise, get, name_known_mistake, same
-from dslab.precision.loss_scaling import reference_amp_clip_step, run_amp_step, same_weights
+from dslab.exercises import (Mistake, ch02_amp_clip, config_problems, exercise, get, name_known_mistake,
+                             resolved_config, resolved_optimizer, same)
 from dslab.precision.formats import FP16_FATE_VALUES, cast, fate
+
+CODING = (ch02_amp_clip,)   # imported for the exercise it registers, 02.amp_clip
 
 
 # Why fp16 does what it does to a value, by fate (the words a learner reads when they named another fate).
@@ -78,127 +81,79 @@ def _check_bf16_min_update(answer):
     return same(answer, kept, rel=1e-9) or name_known_mistake(answer, get("02.bf16_min_update").wrong, rel=1e-9)
 
 
-# 02.amp_clip: the learner writes one fp16 training step with a GradScaler and gradient clipping; the checker runs it
-# on an amp_problem whose sizes, max_norm and number of steps it draws at check time, and compares the weights with
-# the reference step's. Each known mistake is the reference step with one thing changed.
-CHAPTER_MAX_NORM = 1e-4   # the max_norm the chapter's text uses: a step that hard-codes it fails here
-_no_scaler_step = functools.partial(reference_amp_clip_step, scale=False)
-_clip_scaled_step = functools.partial(reference_amp_clip_step, unscale_first=False)
-_unclipped_step = functools.partial(reference_amp_clip_step, clip=False)
-_no_update_step = functools.partial(reference_amp_clip_step, update=False)
-
-
-def _chapter_norm_step(model, optimizer, scaler, x, y, max_norm):
-    """Clips to the chapter's 1e-4 whatever max_norm it is given."""
-    return reference_amp_clip_step(model, optimizer, scaler, x, y, CHAPTER_MAX_NORM)
-
-
-def _draw_amp_case(rng):
-    # rows x d_out >= 896 x 192 keeps each output's gradient, 2 x offset / (rows x d_out), below what fp16 keeps
-    return {"rows": rng.randint(896, 1280), "d_out": rng.randint(192, 320), "steps": rng.randint(3, 5),
-            "max_norm": CHAPTER_MAX_NORM * rng.choice([rng.uniform(0.4, 0.75), rng.uniform(1.3, 1.8)])}
-
-
-def _amp_case():
-    """A case in which the reference and every known mistake end with different weights (a few draws at most)."""
-    import random
-
-    rng = random.SystemRandom()
-    for _ in range(20):
-        case = _draw_amp_case(rng)
-        want = run_amp_step(reference_amp_clip_step, **case)["weights"]
-        others = [run_amp_step(step, **case)["weights"] for step in (_no_scaler_step, _clip_scaled_step,
-                                                                      _unclipped_step, _chapter_norm_step)]
-        if not any(same_weights(w, want) for w in others):
-            return case, want
-    raise RuntimeError("no amp_problem found in which the known mistakes differ from the reference")
-
-
-@exercise("02.amp_clip",
-          wrong=((_no_scaler_step, "no loss scaling"), (_clip_scaled_step, "still multiplied by the loss scale"),
-                 (_unclipped_step, "were not clipped"), (_no_update_step, "call scaler.update()"),
-                 (_chapter_norm_step, "you clipped to 0.0001")),
-          hint="write step(model, optimizer, scaler, x, y, max_norm): zero_grad; forward and loss under "
-               "torch.autocast('cpu', dtype=torch.float16); scaler.scale(loss).backward(); scaler.unscale_"
-               "(optimizer); clip_grad_norm_(model.parameters(), max_norm); scaler.step(optimizer); scaler.update().")
-def _check_amp_clip(step_fn):
-    if not callable(step_fn):
-        raise Mistake("answer with the function itself: answer = my_amp_step")
-    case, want = _amp_case()
-    try:
-        got = run_amp_step(step_fn, **case)
-    except RuntimeError as exc:
-        if "update()" in str(exc) or "after step()" in str(exc):
-            raise Mistake("the scaler refused the second step: call scaler.update() at the end of every step "
-                          "(it also halves or grows the scale)") from None
-        raise
-    if same_weights(got["weights"], want):
-        return True
-    if not got["moved"]:
-        if got["grad_zero"] == 1.0:
-            raise Mistake("no loss scaling: every gradient was 0 and no weight moved, fp16 flushed the tiny "
-                          "gradients. Multiply the loss by the scale before backward: scaler.scale(loss).backward()")
-        raise Mistake("no weight moved: the optimizer never stepped. Call scaler.step(optimizer) (it unscales "
-                      "the gradients and skips the step only if one is inf/nan)")
-    if same_weights(got["weights"], run_amp_step(_clip_scaled_step, **case)["weights"]):
-        raise Mistake("you clipped the gradients while they were still multiplied by the loss scale (2**16), so "
-                      "the clipping cut them 65536x too much: call scaler.unscale_(optimizer) before clip_grad_norm_")
-    if same_weights(got["weights"], run_amp_step(_unclipped_step, **case)["weights"]):
-        raise Mistake("the gradients were not clipped: call torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                      "max_norm) between scaler.unscale_(optimizer) and scaler.step(optimizer)")
-    if same_weights(got["weights"], run_amp_step(_chapter_norm_step, **case)["weights"]):
-        raise Mistake(f"you clipped to {CHAPTER_MAX_NORM}, the chapter's number, but this check passed "
-                      f"max_norm={case['max_norm']:.3g}: clip to the max_norm your step is given")
-    if same_weights(got["weights"], run_amp_step(_no_scaler_step, **case)["weights"]):
-        raise Mistake("no loss scaling: fp16 flushed the gradients to 0. Use scaler.scale(loss).backward()")
-    raise Mistake(f"after {case['steps']} steps your weights differ from the reference step's: check the order "
-                  "zero_grad, autocast forward, scaler.scale(loss).backward(), unscale_, clip, scaler.step, "
-                  "scaler.update")
-
-
-# 02.bf16_config: the learner writes a whole DeepSpeed config for this chapter's 2-rank bf16 run.
-BF16_CONFIG_TASK = {"world_size": 2, "zero_stage": 1, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3}
+# 02.bf16_config: the learner writes a whole DeepSpeed config for this chapter's 2-rank bf16 run. The checker runs
+# dslab's config check, then DeepSpeed's own DeepSpeedConfig on 2 ranks (the batch keys it derives, bf16, the ZeRO
+# stage, the optimizer the engine would build) and compares what DeepSpeed resolved with the task.
+BF16_CONFIG_TASK = {"world_size": 2, "zero_stage": 1, "micro_batch_size": 4, "grad_accum_steps": 1,
+                    "train_batch_size": 8, "lr": 1e-3}
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _config_with(**changes):
+    """The chapter's config with top-level keys replaced (None: removed): the wrong answers a learner might give."""
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
     cfg.update(changes)
-    return cfg
+    return {k: v for k, v in cfg.items() if v is not None}
 
 
 @exercise("02.bf16_config",
           wrong=((_config_with(fp16={"enabled": True}), "are both true"),              # both 16-bit formats
                  (_config_with(train_micro_batch_size_per_gpu="4"), "is written as a string"),
                  (_config_with(bf16={"enabled": False}), "bf16 is not enabled"),       # trains in fp32
-                 (_config_with(train_batch_size=4),                                    # the triple ignores the ranks
+                 (_config_with(train_batch_size=4),                                    # written for one rank
                   "train_batch_size 4 != train_micro_batch_size_per_gpu 4"),
                  (_config_with(zero_optimization={"stage": 2}), "zero_optimization.stage is 2"),
-                 (_config_with(bfloat16={"enabled": True}, bf16=None), "the old name of the section")),
+                 (_config_with(train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=2),   # micro derived
+                  "a micro batch of 2 per rank"),
+                 (_config_with(train_batch_size=16, gradient_accumulation_steps=None),  # accumulation derived: 2
+                  "gradient_accumulation_steps 2"),
+                 (_config_with(optimizer={"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}),
+                  "classic Adam"),
+                 (_config_with(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}), "lr 0.0001")),
           hint="a dict with bf16 on, ZeRO stage 1, micro batch 4 per rank on 2 ranks without accumulation, "
                "and an AdamW optimizer with lr 1e-3; dslab.config.check.check_config(cfg, world_size=2) lists "
                "problems.")
 def _check_bf16_config(cfg):
-    from dslab.config import check
     if not isinstance(cfg, dict):
         raise Mistake(f"a DeepSpeed config is a dict (the JSON object), got {type(cfg).__name__}")
-    cfg = {k: v for k, v in cfg.items() if v is not None}
-    problems = check.check_config(cfg, world_size=BF16_CONFIG_TASK["world_size"], device="cpu")
+    task = BF16_CONFIG_TASK
+    problems = config_problems(cfg, world_size=task["world_size"], device="cpu")
     if problems:
         raise Mistake(str(problems[0]))
-    if not (cfg.get("bf16") or {}).get("enabled"):
+    ds = resolved_config(cfg, task["world_size"])
+    if not ds.bfloat16_config.enabled:
         raise Mistake('bf16 is not enabled, so this config trains in fp32: add "bf16": {"enabled": true}')
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if stage != BF16_CONFIG_TASK["zero_stage"]:
+    stage = ds.zero_optimization_stage
+    if stage != task["zero_stage"]:
         raise Mistake(f"zero_optimization.stage is {stage}; this run partitions only the optimizer states "
                       "(fp32 master weights and Adam's moments): stage 1")
-    micro = cfg.get("train_micro_batch_size_per_gpu")
-    if micro != BF16_CONFIG_TASK["micro_batch_size"]:
-        raise Mistake(f"train_micro_batch_size_per_gpu is {micro}; each rank takes 4 sequences per micro-step")
-    if cfg.get("gradient_accumulation_steps", 1) != 1:
-        raise Mistake("this run does not accumulate: gradient_accumulation_steps 1 (or leave it out)")
-    opt = cfg.get("optimizer") or {}
-    if str(opt.get("type", "")).lower() != "adamw" or (opt.get("params") or {}).get("lr") != BF16_CONFIG_TASK["lr"]:
-        raise Mistake('the optimizer should be {"type": "AdamW", "params": {"lr": 1e-3, ...}}')
+    total, micro, accum = ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps
+    if (total, micro, accum) != (task["train_batch_size"], task["micro_batch_size"], task["grad_accum_steps"]):
+        left_out = [k for k in BATCH_KEYS if k not in cfg]
+        said = (f"DeepSpeed reads train_batch_size {total} = a micro batch of {micro} per rank x "
+                f"gradient_accumulation_steps {accum} x {task['world_size']} ranks"
+                + (f" (it derives {' and '.join(left_out)}, which the config leaves out, from the others by integer "
+                   "division: runtime/config.py, _set_batch_related_parameters)" if left_out else ""))
+        if micro != task["micro_batch_size"]:
+            raise Mistake(f"{said}; each rank takes 4 sequences per micro-step: a micro batch of 4")
+        raise Mistake(f"{said}; this run does not accumulate: gradient_accumulation_steps 1 (or leave it out), "
+                      "so train_batch_size 8")
+    optimizer = resolved_optimizer(ds)
+    if optimizer is None:
+        raise Mistake('there is no "optimizer" section, so deepspeed.initialize builds none and needs one passed in; '
+                      'the task asks the config for AdamW: "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}')
+    kind, lr, built = optimizer
+    if kind == "Adam":
+        raise Mistake(f'with "adam_w_mode": false DeepSpeed builds classic Adam ({built}: weight decay added to the '
+                      'gradient, L2), not AdamW: leave adam_w_mode out (DeepSpeed\'s "Adam" is AdamW by default) or '
+                      'write "type": "AdamW"')
+    if kind != "AdamW":
+        raise Mistake(f'the optimizer is {kind!r} ({built}); the task asks AdamW: "type": "AdamW" (or "Adam", '
+                      "which DeepSpeed builds as AdamW unless adam_w_mode is false)")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isclose(lr, task["lr"], rel_tol=1e-9):
+        given = "" if "lr" in ((cfg.get("optimizer") or {}).get("params") or {}) else \
+            f", the default of {built}, as the config gives none"
+        raise Mistake(f"DeepSpeed's AdamW would run with lr {lr}{given}; the task asks lr 1e-3")
     return True
