@@ -96,6 +96,13 @@ def check_writable(directory, option="--output"):
         raise PermissionError(say("files.not_writable", parent=str(parent), why=exc.strerror, option=option)) from None
 
 
+def check_file_writable(path, option="--output"):
+    """Raise IsADirectoryError or PermissionError (with the fix) unless a file can be written at `path`."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(say("files.is_a_dir", option=option, path=str(path)))
+    check_writable(Path(path).parent, option)
+
+
 def check_free_space(directory, needed_bytes, option="--output"):
     """Raise OSError (with the fix) unless the file system that will hold `directory` has `needed_bytes` free."""
     free = shutil.disk_usage(_existing_parent(directory)).free

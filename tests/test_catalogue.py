@@ -39,6 +39,10 @@ Where each item is tested (this file fills the gaps: the point of use in `dslab 
 - malformed data lines ......... test_data.py::test_broken_line_is_named_with_file_and_line (and others there),
                                  test_infer.py::test_cli_bad_prompts_file_names_the_line;
                                  here: test_malformed_sft_data_is_refused_before_launch
+- a model folder that does not exist, a pickle-only checkpoint, nonsensical numbers, for every dslab verb
+                                 test_cli_inputs.py::test_a_model_folder_that_does_not_exist,
+                                 ::test_a_pickle_only_checkpoint_is_refused_and_never_unpickled,
+                                 ::test_estimate_refuses_a_negative_size (one test per bad input in that file)
 """
 import ast
 import fnmatch

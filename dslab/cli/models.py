@@ -45,6 +45,11 @@ def build_base_command(args):
     # Read once when torch loads, so it only takes effect if torch is not imported yet.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from dslab.tiny import corpus, pretrain
+    try:
+        pretrain.check_build(args.output, args.steps)
+    except (ValueError, PermissionError, NotADirectoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.regenerate_corpus:
         for path in corpus.write_all(corpus.CORPUS_DIR.parent):
             print(f"wrote {path}")
@@ -72,13 +77,14 @@ def add_model_arguments(p):
 
 
 def load_from_args(args):
-    """(model, tokenizer) for --model / --adapter / --dtype / --trust-remote-code; a bad adapter exits with why."""
+    """(model, tokenizer) for --model / --adapter / --dtype / --trust-remote-code; a bad model or adapter exits with
+    why (loading.ModelError: a missing folder, a pickle-only checkpoint, a broken adapter)."""
     from dslab.models import loading
     try:
         model = loading.load_model(args.model, adapter=args.adapter, dtype=DTYPE_FROM_FLAG[args.dtype],
                                   trust_remote_code=args.trust_remote_code)
         tokenizer = loading.load_tokenizer(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
-    except loading.AdapterError as exc:
+    except loading.ModelError as exc:
         raise SystemExit(f"error: {exc}") from None
     return model, tokenizer
 
@@ -107,7 +113,12 @@ def infer_command(args):
         print("error: --tp must be at least 1", file=sys.stderr)
         return 2
     from dslab.models import infer
-    prompts = infer.read_prompts(args.prompt, args.prompts_file)
+    try:
+        infer.check_generation(args.max_new_tokens, args.temperature)
+        prompts = infer.read_prompts(args.prompt, args.prompts_file)  # data.DataError (a ValueError) if unreadable
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not prompts:
         print("dslab infer: give at least one --prompt TEXT or a --prompts-file", file=sys.stderr)
         return 2
@@ -120,6 +131,7 @@ def infer_command(args):
                                      temperature=args.temperature, system=args.system)
     else:
         from dslab import launch, this_rank
+        from dslab.models import loading
         from dslab.parallel import tp_infer
         this_rank.quiet()
         try:
@@ -128,9 +140,9 @@ def infer_command(args):
                     prompts, tp=args.tp, model=args.model, adapter=args.adapter, dtype=DTYPE_FROM_FLAG[args.dtype],
                     kernel_inject=args.kernel_inject, max_new_tokens=args.max_new_tokens, chat=args.chat,
                     system=args.system, temperature=args.temperature)
-        except (tp_infer.TPInferenceError, launch.LaunchError) as exc:
+        except (tp_infer.TPInferenceError, launch.LaunchError, loading.ModelError) as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2 if isinstance(exc, tp_infer.TPInferenceError) else 1
+            return 1 if isinstance(exc, launch.LaunchError) else 2
         prompts, completions = result["prompts"], result["completions"]
     print_completions(prompts, completions, args.json)
     return 0
@@ -164,12 +176,12 @@ def add_eval(subparsers):
     p.set_defaults(func=eval_command)
 
 
-def name_from_flag(values):
+def name_from_flag(values, option):
     """--model-name X, or --model-name ZH EN, as the str or (zh, en) pair the scorers take (data.name_pair)."""
     from dslab import data
 
     try:
-        return data.name_pair(values)
+        return data.name_pair(values, option)
     except data.DataError as exc:
         raise SystemExit(f"error: {exc}") from None
 
@@ -181,8 +193,12 @@ def eval_command(args):
     from dslab import data
     from dslab.models import evaluate
     hf_logging.set_verbosity_error()
-    name, author = name_from_flag(args.model_name), name_from_flag(args.model_author)
-    rows = data.identity_eval(args.questions) if args.questions else None
+    name = name_from_flag(args.model_name, "--model-name")
+    author = name_from_flag(args.model_author, "--model-author")
+    try:
+        rows = data.identity_eval(args.questions) if args.questions else None
+    except data.DataError as exc:
+        raise SystemExit(f"error: --questions {exc}") from None
     if args.question_lang:
         rows = [r for r in (rows or data.identity_eval()) if r["lang"] == args.question_lang]
     model, tokenizer = load_from_args(args)
@@ -222,7 +238,7 @@ def merge_command(args):
     from dslab.models import loading, lora
     try:
         lora.merge(args.model, args.adapter, args.output, tolerance=args.tolerance, dtype=DTYPE_FROM_FLAG[args.dtype])
-    except (loading.AdapterError, lora.MergeError, PermissionError, NotADirectoryError) as exc:
+    except (loading.ModelError, lora.MergeError, PermissionError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -63,6 +63,7 @@ def _config_check(args):
         except FileNotFoundError:
             pass
     try:
+        check.resolve_world_size(args.world_size)  # --world-size 0: refused before the file is read
         cfg = build.load_config(path)
     except FileNotFoundError:
         print(say("config.no_file", file=args.file, bundled=", ".join(build.BUNDLED)))
@@ -98,7 +99,11 @@ def _config_new(args):
         print(exc)
         return 1
     if args.output:
-        build.save_config(cfg, args.output)
+        try:
+            build.save_config(cfg, args.output, option="--output")
+        except OSError as exc:  # a folder there, or nowhere to write: the message says which and the fix
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.output}")
     else:
         print(build.to_json(cfg), end="")
@@ -176,7 +181,11 @@ def _model_shape(args):
 def _measure(args):
     from dslab.launch import LaunchError
 
-    shape = _model_shape(args)
+    try:
+        shape = _model_shape(args)
+    except ValueError as exc:  # --params below 1
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.model and shape:
         print("error: give either --model PATH or shape options (--hidden-size, --layers, ...), not both",
               file=sys.stderr)

@@ -65,7 +65,7 @@ def run_sft(args):
                          seed=args.seed, log_every=args.log_every, timeout=args.timeout,
                          progress=expected_steps(args) if sys.stderr.isatty() else False)
     except (sft.SFTError, checkpoints.CheckpointError, data.DataError, check.ConfigError, launch.LaunchError,
-            loading.AdapterError, OSError) as exc:
+            loading.ModelError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     kind = "model" if args.full else "adapter"
@@ -93,7 +93,8 @@ def print_equivalent(args):
         text, written = equivalents.render(args.print_equivalent, plan)
         sft_plan.write(sft_plan.work_dir(plan, args.print_equivalent), written)  # what the printed lines read
         print(text, end="")
-    except (sft.SFTError, data.DataError, check.ConfigError, sft_plan.EquivalentError, OSError) as exc:
+    except (sft.SFTError, data.DataError, check.ConfigError, sft_plan.EquivalentError, loading.ModelError,
+            OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -132,8 +132,12 @@ def to_json(cfg):
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
 
 
-def save_config(cfg, path):
-    """Write the config as sorted JSON, atomically (a reader never sees half a file); returns the Path."""
+def save_config(cfg, path, option="--output"):
+    """Write the config as sorted JSON, atomically (a reader never sees half a file); returns the Path.
+
+    A folder at `path`, or a place that cannot be written, raises OSError with the fix before anything is written.
+    """
+    files.check_file_writable(path, option)
     return files.atomic_write_text(path, to_json(cfg))
 
 
@@ -144,6 +148,8 @@ def load_config(path):
     naming the file, line and column.
     """
     path = Path(path)
+    if path.is_dir():
+        raise check.ConfigError(say("config.is_dir", file=path, bundled=", ".join(BUNDLED)))
     text = path.read_text()
 
     def no_duplicates(pairs):

@@ -73,8 +73,11 @@ def validate(cfg, world_size=None, device=None, allow_auto=False):
 
 
 def resolve_world_size(world_size=None):
-    """(world_size, where it came from): the argument, else $WORLD_SIZE, else 1."""
+    """(world_size, where it came from): the argument, else $WORLD_SIZE, else 1. An argument below 1 raises
+    ConfigError: no config fits no ranks."""
     if world_size is not None:
+        if not int(world_size) >= 1:
+            raise ConfigError(say("launch.world_size", world_size=world_size))
         return int(world_size), say("world.argument")
     env = os.environ.get("WORLD_SIZE", "")
     if env.strip().isdigit() and int(env) > 0:
@@ -374,6 +377,9 @@ def _check_optimizer(cfg, problems):
     params = block.get("params")
     if isinstance(params, dict) and "max_grad_norm" in params:
         problems.add("optimizer.params.max_grad_norm", say("check.max_grad_norm"), say("check.max_grad_norm.fix"))
+    lr = params.get("lr") if isinstance(params, dict) else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not 0 <= lr < float("inf"):  # NaN too
+        problems.add("optimizer.params.lr", say("check.lr", value=lr), say("check.lr.fix"))
     known = optimizer_param_keys(name)
     if known:  # empty: this optimizer's parameters are not checked
         _check_params(params, known | {"max_grad_norm"}, "optimizer.params", problems)

@@ -25,7 +25,7 @@ from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_
 from dslab.messages import say
 
 __all__ = ["RECIPES_DIR", "NOISE", "LaunchError", "LaunchResult", "build_command", "check_environment",
-           "display_command", "free_port", "gpu_count", "port_is_free", "recipe_module",
+           "check_timeout", "display_command", "free_port", "gpu_count", "port_is_free", "recipe_module",
            "recipe_argv", "remove_shm_buffers", "remove_stale_shm_buffers", "run", "run_commands", "sh", "torchrun"]
 
 RECIPES_DIR = Path(__file__).parent.parent / "recipes"
@@ -90,6 +90,12 @@ def check_environment(world_size, include):
         raise LaunchError(say("launch.too_few_gpus", world_size=world_size, gpus=gpus))
 
 
+def check_timeout(timeout):
+    """Raise LaunchError unless `timeout` is None (no limit) or a positive number of seconds."""
+    if timeout is not None and not timeout > 0:  # NaN fails too
+        raise LaunchError(say("launch.timeout_value", value=timeout))
+
+
 def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, include=None, run_dir=None,
         script_args=(), hang_timeout=None, **recipe_kwargs):
     """Run `recipe` on `world_size` ranks with the deepspeed launcher and return a LaunchResult.
@@ -101,6 +107,9 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     is stopped and LaunchError names the collective each rank waits in (dslab.launch.hang).
     """
     check_environment(world_size, include)
+    check_timeout(timeout)
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise LaunchError(say("launch.port", value=master_port))
     if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
         raise LaunchError(problem)   # before the run folder is emptied or anything printed
     remove_stale_shm_buffers()
@@ -127,6 +136,7 @@ def torchrun(recipe, world_size=2, timeout=300, stream=None, run_dir=None, **rec
         raise LaunchError(say("launch.not_a_recipe", recipe=recipe))
     if world_size < 1:
         raise LaunchError(say("launch.world_size", world_size=world_size))
+    check_timeout(timeout)
     remove_stale_shm_buffers()
     name = f"{recipe}-torchrun"
     dirs = fresh_run_dir(name, run_dir)

@@ -1,6 +1,8 @@
 """Text generation with Hugging Face `generate` (greedy by default); `dslab infer` is in dslab.cli.models."""
 from pathlib import Path
 
+from dslab.messages import say
+
 
 def prompt_text(tokenizer, prompt, chat=False, system=None):
     """What the model is fed: the raw prompt, or (chat=True) one user turn in the tokenizer's chat template."""
@@ -12,6 +14,14 @@ def prompt_text(tokenizer, prompt, chat=False, system=None):
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def check_generation(max_new_tokens=64, temperature=0.0):
+    """Raise ValueError, naming the option and what it must be, for a length or temperature that cannot be."""
+    if not max_new_tokens >= 1:
+        raise ValueError(say("number.at_least", name="max_new_tokens", least=1, value=max_new_tokens))
+    if not temperature >= 0:  # 0: greedy; NaN fails here too
+        raise ValueError(say("number.at_least", name="temperature", least=0, value=temperature))
+
+
 def sequences(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperature=0.0, system=None):
     """For each prompt, (prompt length, token ids of prompt + generated tokens [1, T]); greedy unless temperature > 0.
 
@@ -19,6 +29,7 @@ def sequences(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperat
     Generation stops at the model's eos tokens (for dslab-tiny: <|im_end|> and <|endoftext|>).
     """
     import torch
+    check_generation(max_new_tokens, temperature)
     if isinstance(prompts, str):
         prompts = [prompts]
     device = next(model.parameters()).device
@@ -41,11 +52,14 @@ def generate(model, tokenizer, prompts, max_new_tokens=64, chat=False, temperatu
 
 def read_prompts(prompts=(), prompts_file=None):
     """`prompts` followed by those of `prompts_file` (.jsonl with "prompt"/"query" per line, else one per line)."""
+    from dslab import data
+
     prompts = list(prompts or [])
     if prompts_file:
         path = Path(prompts_file)
+        if not path.is_file():
+            raise data.DataError(say("data.no_file", path=path))
         if path.suffix == ".jsonl":
-            from dslab import data
             for row in data.load_jsonl(path):
                 text = row.get("prompt", row.get("query"))
                 if text is None:

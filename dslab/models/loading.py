@@ -18,9 +18,20 @@ DEFAULT_MODEL_DIR = DATA_DIR / "dslab-tiny"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Weights saved as a pickle (transformers' older format, shards included): unpickling runs whatever code the file
+# holds, so they are never loaded here.
+PICKLED_WEIGHTS = "pytorch_model*.bin"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SHAPE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads")
 
 
-class AdapterError(ValueError):
+class ModelError(ValueError):
+    """A model that cannot be loaded or built as asked (no such folder, weights only as a pickle, a size below 1);
+    the message says the fix."""
+
+
+class AdapterError(ModelError):
     """An adapter directory or state dict that must not be used (empty, size-0, or not an adapter at all)."""
 
 
@@ -39,19 +50,71 @@ def resolve_model(path=None, adapter=None):
                or DEFAULT_MODEL_DIR)
 
 
+def _hub_id(name):
+    """True if `name` has the form of a Hugging Face hub id ("repo" or "namespace/repo")."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_model(path=None, adapter=None, weights=True):
+    """What load_model would load (resolve_model), checked before transformers sees it; ModelError says the fix.
+
+    A local folder needs config.json and safetensors weights: a checkpoint whose weights are only a pickle
+    (pytorch_model.bin) is refused, since unpickling can run any code the file holds (weights=False: the weights
+    are not looked at, for what only reads the folder's config). A name that is no folder here must have a hub
+    id's form and is left to the hub, unless its parent folder exists here (runs/merged): then it is taken for a
+    local folder that is missing.
+    """
+    name = resolve_model(path, adapter)
+    folder = Path(name)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            if (folder / ADAPTER_CONFIG).is_file():
+                raise ModelError(say("model.is_adapter", path=name, config=ADAPTER_CONFIG))
+            raise ModelError(say("model.no_config", path=name))
+        if weights and not any(folder.glob("*.safetensors")):
+            pickles = sorted(f.name for f in folder.glob(PICKLED_WEIGHTS))
+            if pickles:
+                raise ModelError(say("model.pickle_only", path=name, file=pickles[0]))
+            raise ModelError(say("model.no_weights", path=name))
+        return name
+    if folder.exists():
+        raise ModelError(say("model.is_file", path=name))
+    if not _hub_id(name) or folder.parent != Path(".") and folder.parent.is_dir():
+        raise ModelError(say("model.missing", path=name, default=str(DEFAULT_MODEL_DIR)))
+    return name
+
+
+def _from_pretrained(auto_class, name, **kwargs):
+    """auto_class.from_pretrained(name, ...); a hub id the hub (or its cache) cannot give raises ModelError."""
+    try:
+        return auto_class.from_pretrained(name, **kwargs)
+    except OSError as exc:
+        if Path(name).exists():
+            raise  # a local folder checked by check_model: transformers' own message says what else is wrong
+        why = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
+        raise ModelError(say("model.not_on_hub", path=name, why=why)) from None
+
+
 def load_model(path=None, adapter=None, dtype="fp32", merge_adapter=False, trust_remote_code=False):
     """A causal LM in eval mode, weights from safetensors only.
 
     path: local HF directory or hub id (see resolve_model). adapter: a LoRA adapter directory, checked and put
     on top (a PeftModel); merge_adapter=True folds it into the weights and returns the plain model (what
     DeepSpeed AutoTP needs: it splits plain linear layers, not LoRA wrappers). dtype: "fp32", "bf16" or "fp16".
+    A missing folder, a pickle-only checkpoint or a broken adapter raises ModelError (see check_model).
     """
     from transformers import AutoModelForCausalLM
 
     if adapter:
         read_adapter(adapter)  # a broken adapter fails here, before anything big is loaded
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(path, adapter), dtype=torch_dtype(dtype),
-                                                 use_safetensors=True, trust_remote_code=trust_remote_code)
+    model = _from_pretrained(AutoModelForCausalLM, check_model(path, adapter), dtype=torch_dtype(dtype),
+                             use_safetensors=True, trust_remote_code=trust_remote_code)
     if adapter:
         model = apply_adapter(model, adapter)
         if merge_adapter:
@@ -63,7 +126,10 @@ def load_tokenizer(path=None, adapter=None, trust_remote_code=False):
     """The tokenizer saved beside the model (chat template included); same `path`/`adapter` rule as load_model."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(path, adapter), trust_remote_code=trust_remote_code)
+    name = check_model(path, adapter)
+    if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(say("model.no_tokenizer", path=name, files=", ".join(TOKENIZER_FILES[:2])))
+    return _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
 
 
 def tiny_config(**overrides):
@@ -82,6 +148,9 @@ def tiny_config(**overrides):
         bos_token_id=None, eos_token_id=2, pad_token_id=0,
     )
     shape.update(overrides)
+    for key in SHAPE_SIZES:  # torch would fail later, deep inside building the model, or build an empty one
+        if not shape[key] >= 1:
+            raise ModelError(say("number.at_least", name=key, least=1, value=shape[key]))
     return Qwen2Config(**shape)
 
 

@@ -230,11 +230,15 @@ def generate_tensor_parallel(prompts, tp=2, model=None, adapter=None, dtype="fp3
 
     dtype: "fp32", "bf16" or "fp16". logits=True: rank 0 also saves generate_with_logits' logits; its result's
     "logits_file" names the file. stream=None shows what the ranks print (the config first), False nothing.
+    A model folder or adapter that cannot be loaded raises loading.ModelError here, before any rank starts.
     """
     from dslab import launch
+    from dslab.models import infer, loading
 
     if not prompts:
         raise TPInferenceError("give at least one prompt")
+    infer.check_generation(max_new_tokens, temperature)  # ValueError
+    loading.check_model(model, adapter)  # reads and checks the adapter too
     if dtype not in DTYPES:
         raise TPInferenceError(f"dtype {dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
     if kernel_inject:

@@ -8,7 +8,8 @@ import math
 import time
 from pathlib import Path
 
-from dslab.files import atomic_write_text
+from dslab.files import atomic_write_text, check_writable
+from dslab.messages import say
 from dslab.models.loading import DEFAULT_MODEL_DIR, build_model, count_parameters, save_pretrained, tiny_config
 from dslab.tiny.tokenizer import train_tokenizer
 
@@ -37,9 +38,18 @@ def unigram_perplexity(train_blocks, valid_blocks, vocab_size):
     return math.exp(-logp[valid_blocks.flatten()].mean().item())
 
 
+def check_build(output, steps):
+    """Before minutes of training: ValueError for a step count below 1, PermissionError / NotADirectoryError (with
+    the fix) for an output that cannot be written."""
+    if not steps >= 1:
+        raise ValueError(say("number.at_least", name="steps", least=1, value=steps))
+    check_writable(output)
+
+
 def build_base(output=DEFAULT_MODEL_DIR, steps=650, seq_len=256, micro_batch_size=16, lr=2e-3, seed=0,
                vocab_size=10240, progress=None, max_docs=None):
     """Train the tokenizer, pretrain dslab-tiny under DeepSpeed, save both to `output`; returns a report dict."""
+    check_build(output, steps)
     import deepspeed
     import torch
     from dslab import data

@@ -32,6 +32,21 @@ class SFTError(ValueError):
     """A fine-tuning run that cannot start as asked; the message says how to fix it."""
 
 
+def check_settings(epochs=12, micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, lr=None, save_every=0,
+                   log_every=None, mix_general=None, max_length=256):
+    """Raise SFTError naming the first number that cannot be (a count below its least, a rate or scale not above 0);
+    None means the default. Checked by `run` and by --print-equivalent, before anything is read or launched."""
+    least = {"--epochs": (epochs, 1), "--micro-batch-size": (micro_batch_size, 1),
+             "--grad-accum-steps": (grad_accum_steps, 1), "--lora-r": (lora_r, 1), "--save-every": (save_every, 0),
+             "--log-every": (log_every, 1), "--mix-general": (mix_general, 0), "max_length": (max_length, 2)}
+    for name, (value, smallest) in least.items():
+        if value is not None and not value >= smallest:
+            raise SFTError(say("number.at_least", name=name, least=smallest, value=value))
+    for name, value in (("--lora-alpha", lora_alpha), ("--lr", lr)):
+        if value is not None and not value > 0:  # NaN fails too
+            raise SFTError(say("number.positive", name=name, value=value))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data: chats -> token ids with the prompt masked -> each rank's batches
 # ----------------------------------------------------------------------------------------------------
@@ -184,6 +199,8 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
     from dslab import launch
     from dslab.models import loading
 
+    check_settings(epochs, micro_batch_size, grad_accum_steps, lora_r, lora_alpha, lr, save_every, log_every,
+                   mix_general, max_length)
     # DataError for three names, before anything starts
     model_name, model_author = _listed(model_name, "--model-name"), _listed(model_author, "--model-author")
     data_files = None
@@ -194,6 +211,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
                 raise SFTError(say("data.no_file", path=f"--data {f}"))
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
         load_chats(data_files, model_name, model_author, mix_general, seed)
+    loading.check_model(model)  # ModelError: a missing folder, or weights only as a pickle
     files.check_writable(output)  # before minutes of training, not after
     # A full model is about the base's weight files; an adapter is smaller. A checkpoint holds fp32 master
     # weights and two Adam moments of what trains: up to 7x the bf16 weight files for a full fine-tune.

@@ -36,6 +36,9 @@ def plan_from_args(args):
     """The run, as plain values, from `dslab sft`'s parsed arguments (an argparse Namespace or anything alike)."""
     from dslab import env
 
+    sft.check_settings(args.epochs, args.micro_batch_size, args.grad_accum_steps, args.lora_r, args.lora_alpha, args.lr,
+                       args.save_every, args.log_every, args.mix_general)
+    loading.check_model(args.model, weights=False)  # a missing folder fails; a hub id passes (the tool downloads it)
     data_files = [str(f) for f in (args.data or [sft.DEFAULT_DATA])]
     name, author = data.name_pair(args.model_name, "--model-name"), data.name_pair(args.model_author, "--model-author")
     n_examples = len(sft.load_chats(data_files, name, author, args.mix_general, args.seed))  # DataError if malformed

@@ -11,6 +11,8 @@ import contextlib
 import math
 import sys
 
+from dslab.messages import say
+
 PARTS = ("params", "grads", "optimizer")  # the three model states, in the paper's order
 
 # Bytes per parameter of each model state. Mixed precision (bf16 or fp16) with Adam: 16-bit parameters and
@@ -78,6 +80,10 @@ def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimiz
     offload_param (stage 3) moves the parameter partition. optimizer, master_weights, optimizer_states and
     muon_fraction change K (see optimizer_bytes): the newer levers of chapter 13.
     """
+    if not math.isfinite(params):
+        raise ValueError(say("number.finite", name="params", value=params))
+    if not params >= 1:
+        raise ValueError(say("number.at_least", name="params", least=1, value=params))
     check_setup(zero_stage, world_size, precision, offload_optimizer, offload_param, optimizer, master_weights,
                 optimizer_states, muon_fraction)
     psi, n, per = float(params), world_size, BYTES_PER_PARAM[precision]
@@ -290,10 +296,11 @@ def bytes_per_rank(params, world_size, zero_stage, precision="bf16", offload_opt
     choice: optimizer, master_weights, optimizer_states, muon_fraction (as theory()); reported when not the
     paper's (LEVER_DEFAULTS), so a plain report stays what it was.
     """
+    bytes_in_theory = theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param, **choice)
     out = {"zero_stage": zero_stage, "world_size": world_size, "params": int(params), "precision": precision,
            "offload_optimizer": bool(offload_optimizer), "offload_param": bool(offload_param),
            **{key: value for key, value in choice.items() if value != LEVER_DEFAULTS.get(key)},
-           "theory": theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param, **choice)}
+           "theory": bytes_in_theory}
     if measured is not None:
         out["measured"] = measured
     return out

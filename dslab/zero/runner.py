@@ -11,6 +11,7 @@ Kernel side:
 import gc
 import time
 
+from dslab.messages import say
 from dslab.zero import engine_memory, memory
 
 # Chapter 04's model: the dslab-tiny architecture, made small (1.4M parameters, untied embeddings) so that
@@ -144,11 +145,19 @@ def measure(zero_stage, world_size=2, offload_optimizer=False, offload_param=Fal
     """Launch `world_size` new ranks running the zero_memory recipe; return the report (theory + measured).
 
     model: a local checkpoint directory; shape: tiny_config overrides (default: dslab-tiny's shape).
-    stream: where the ranks' output goes (see dslab.launch.run). Raises ValueError for a setup that cannot be.
+    stream: where the ranks' output goes (see dslab.launch.run). Raises ValueError for a setup that cannot be
+    (loading.ModelError, a ValueError, for a model folder or shape that cannot be loaded or built).
     """
     from dslab import launch
+    from dslab.models import loading
 
     memory.check_setup(zero_stage, world_size, "bf16", offload_optimizer, offload_param)
+    if not steps >= 2:  # the snapshot is taken in the last step, once Adam's states exist (run_engine)
+        raise ValueError(say("number.at_least", name="steps", least=2, value=steps))
+    if model:
+        loading.check_model(model)
+    if shape:
+        loading.tiny_config(**shape)  # a size below 1 fails here, not on the ranks
     setup = {"zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param}
     kwargs = {"setups": [setup], "steps": steps}
     if model:
@@ -167,6 +176,9 @@ def hidden_shape(hidden):
 def shape_for_params(target, **fixed):
     """tiny_config overrides whose model has about `target` parameters (hidden_size searched, `fixed` kept)."""
     from dslab.models.loading import tiny_config
+
+    if not target >= 1:
+        raise ValueError(say("number.at_least", name="params", least=1, value=target))
 
     def count(hidden):
         return memory.qwen2_params(tiny_config(**fixed, **hidden_shape(hidden)))
