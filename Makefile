@@ -69,12 +69,14 @@ test-gpu: setup
 test-notebooks: setup
 	$(BIN)/python -m pytest -q --nbval notebooks --ignore=notebooks/zh --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
 
-# The notebooks again on torch's plain C++ kernels (no vector instructions), nothing re-recorded: what another CPU's
-# kernels do to the stored outputs, compared by the rule of tests/nbval_numbers.py. CI runs it after `make test`.
+# The notebooks again on a bf16 kernel path below this CPU's own, nothing re-recorded: what a lesser CPU's kernels
+# do to the stored outputs, compared by the rule of tests/nbval_numbers.py. CI runs it after `make test`. The path:
+# oneDNN capped below the CPU's best (ONEDNN_MAX_CPU_ISA=AVX512_CORE on an AVX512-BF16 or AMX CPU, AVX2 on plain
+# AVX-512), or torch's plain kernels where no cap changes bf16 (tests/nbval_numbers.py --portable-path says which).
 # torch.compile (DeepSpeed's Muon kernels, chapter 13) gets a cache of its own here: torch's graph cache does not tell
-# the two kernel paths apart, so a kernel compiled natively was reused and failed to build without vector headers.
+# kernel paths apart, so a kernel compiled natively was once reused under another path and failed to build.
 test-notebooks-portable: setup
-	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-default \
+	env $$($(BIN)/python tests/nbval_numbers.py --portable-path) TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-portable \
 		$(MAKE) --no-print-directory test-notebooks
 
 # Debian's chromium for the headless browser tests (slides, ZeRO widget); nothing is downloaded by a test tool.

@@ -17,6 +17,12 @@ PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
 BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 # CPU flags of native fp16 arithmetic (recent Xeons): where oneDNN has them, DeepSpeed's CPU accelerator allows fp16.
 FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
+# oneDNN runs torch's bf16 matmuls on the best instruction set it finds; ONEDNN_MAX_CPU_ISA caps it. Its values, lowest
+# first (aliases share a rank): below AVX512_CORE_BF16, bf16 matmuls run without bf16 instructions (plain AVX-512, or
+# emulated at AVX2 and below), slower and with other rounding, whatever the CPU's flags say.
+ONEDNN_ISAS = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5, "AVX512_CORE_VNNI": 6,
+               "AVX512_CORE_BF16": 7, "AVX10_1_512": 8, "AVX512_CORE_FP16": 8, "AVX10_1_512_AMX": 9,
+               "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10}
 # JIT ops the course uses: (name in reports, DeepSpeed op-builder class, what needs it).
 COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
@@ -68,9 +74,24 @@ def missing_build_tools(tools=None):
     return [name for name in ("ninja", "c++") if not tools[name]]
 
 
+def onednn_cap():
+    """oneDNN's instruction-set cap from the environment (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA), or
+    None where nothing caps it."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return cap if cap and cap not in ("ALL", "DEFAULT") else None
+
+
+def bf16_native(flags, cap):
+    """True where bf16 matmuls run with bf16 instructions: the CPU has AVX512-BF16 or AMX-BF16 and no oneDNN cap
+    (`cap`, onednn_cap()) below AVX512_CORE_BF16 takes them away. Ask this, not the flags, before expecting speed."""
+    if not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
+        return False
+    return cap is None or ONEDNN_ISAS.get(cap, len(ONEDNN_ISAS)) >= ONEDNN_ISAS["AVX512_CORE_BF16"]
+
+
 def cpu_info():
-    """Usable cores (affinity or the cgroup's CPU quota, the fewer: dslab.launch.machine.cpu_cores), model name and
-    the bf16/fp16-related flags from /proc/cpuinfo."""
+    """Usable cores (affinity or the cgroup's CPU quota, the fewer: dslab.launch.machine.cpu_cores), model name, the
+    bf16/fp16-related flags from /proc/cpuinfo, oneDNN's cap and whether bf16 matmuls run natively under it."""
     cores = cpu_cores()
     model, flags = None, set()
     try:
@@ -83,10 +104,10 @@ def cpu_info():
     except OSError:  # not Linux
         pass
     model = model or platform.processor() or None
+    known = {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}
     return {"cores_usable": cores["usable"], "cores_total": os.cpu_count(), "cores_affinity": cores["affinity"],
             "cpu_quota": cores["quota"], "cores_quota": cores["quota_cores"], "cores_limited_by": cores["limited_by"],
-            "model": model,
-            "flags": {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}}
+            "model": model, "flags": known, "onednn_cap": onednn_cap(), "bf16_native": bf16_native(known, onednn_cap())}
 
 
 def memory_info():
@@ -195,9 +216,14 @@ def features(accel, cpu, ops, tools):
     device, backend = accel["name"], accel["communication_backend"]
     fast = [flag for flag in ("avx512_bf16", "amx_bf16") if cpu["flags"].get(flag)]
     if device == "cpu":
-        bf16_reason = "CPU accelerator; " + (f"this CPU has {' and '.join(fast)}: bf16 matmuls run natively"
-                                             if fast else "no avx512_bf16/amx_bf16: bf16 works but may be "
-                                             "slower than fp32 (measure it)")
+        if not fast:
+            bf16_reason = "CPU accelerator; no avx512_bf16/amx_bf16: bf16 works but may be slower than fp32 (measure it)"
+        elif cpu["bf16_native"]:
+            bf16_reason = f"CPU accelerator; this CPU has {' and '.join(fast)}: bf16 matmuls run natively"
+        else:
+            bf16_reason = (f"CPU accelerator; this CPU has {' and '.join(fast)}, but oneDNN is capped at "
+                           f"{cpu['onednn_cap']} (ONEDNN_MAX_CPU_ISA): bf16 matmuls run without bf16 instructions, "
+                           "maybe slower than fp32 (measure it)")
         # DeepSpeed asks oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported): yes on CPUs with AVX512-FP16 or AMX-FP16
         fp16_reason = ("DeepSpeed's CPU accelerator refuses fp16 on this CPU ('Type fp16 is not supported on your "
                        "device'; it needs AVX512-FP16 or AMX-FP16); torch.autocast(float16) and GradScaler on CPU "
@@ -240,7 +266,8 @@ def features(accel, cpu, ops, tools):
 
 
 def accelerator_info():
-    """The accelerator DeepSpeed picks, its communication backend and 16-bit support."""
+    """The accelerator DeepSpeed picks, its communication backend and 16-bit support (bf16_native: with bf16
+    instructions, as bf16_native says on a CPU)."""
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
@@ -250,8 +277,9 @@ def accelerator_info():
         import torch
 
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
+    native = bf16 if name != "cpu" else cpu_info()["bf16_native"]
     return {"name": name, "communication_backend": accel.communication_backend_name(),
-            "bf16_supported": bf16, "fp16_supported": bool(accel.is_fp16_supported())}
+            "bf16_supported": bf16, "bf16_native": native, "fp16_supported": bool(accel.is_fp16_supported())}
 
 
 def machine_facts():

@@ -250,8 +250,15 @@ def test_merge_onto_a_base_that_does_not_exist(tmp_path, capsys):
     from dslab.models import lora
 
     lora.save_adapter(lora.attach_lora(loading.load_model(), r=2, alpha=4), tmp_path / "adapter")
+    capsys.readouterr()   # what loading the model printed (a progress bar where nothing quieted it) is not the answer
     refused(capsys, ["merge", "--model", tmp_path / "no-base", "--adapter", tmp_path / "adapter", "--output",
                      tmp_path / "merged"], ["does not exist", "config.json + model.safetensors"])
+    assert not (tmp_path / "merged").exists()
+
+
+def test_merge_refuses_a_negative_tolerance(tmp_path, capsys):
+    refused(capsys, ["merge", "--adapter", tmp_path / "adapter", "--output", tmp_path / "merged", "--tolerance", "-1"],
+            ["tolerance must be at least 0, got -1.0"])
     assert not (tmp_path / "merged").exists()
 
 

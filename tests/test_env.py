@@ -30,7 +30,7 @@ def test_report_has_every_section(rep):
     assert set(rep["versions"]) == {"python", "torch", "deepspeed", "transformers", "peft", "accelerate"}
     assert rep["versions"]["deepspeed"] == metadata.version("deepspeed")
     assert rep["versions"]["python"] == "{}.{}.{}".format(*sys.version_info[:3])
-    assert set(rep["accelerator"]) == {"name", "communication_backend", "bf16_supported", "fp16_supported"}
+    assert set(rep["accelerator"]) == {"name", "communication_backend", "bf16_supported", "bf16_native", "fp16_supported"}
     assert set(rep["build_tools"]) == {"ninja", "c++", "g++", "numactl"}
     assert set(rep["ops"]) == {"shm_comm", "cpu_adam", "fused_adam"}
     assert set(rep["async_io"]) == {"op", "compatible", "purpose"} and isinstance(rep["async_io"]["compatible"], bool)
@@ -271,3 +271,26 @@ def test_importing_dslab_leaves_path_alone():
     code = "import os, sys; before = os.environ['PATH']; import dslab, dslab.env, dslab.live, dslab.this_rank; " \
            "sys.exit(os.environ['PATH'] != before)"
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PATH="/usr/bin:/bin")).returncode == 0
+
+
+def test_bf16_is_native_only_where_the_cpu_has_bf16_instructions_and_onednn_may_use_them(monkeypatch):
+    """The flags say what the CPU has; ONEDNN_MAX_CPU_ISA says what oneDNN may use: below AVX512_CORE_BF16 a bf16
+    matmul runs without bf16 instructions (the portable test run caps it so), and the report says why."""
+    epyc, amx, avx2 = {"avx512_bf16": True}, {"avx512_bf16": True, "amx_bf16": True}, {"avx512_bf16": False}
+    assert env.bf16_native(epyc, None) and env.bf16_native(amx, "AVX512_CORE_BF16") and env.bf16_native(amx, None)
+    assert not env.bf16_native(epyc, "AVX512_CORE") and not env.bf16_native(amx, "AVX2")
+    assert not env.bf16_native(avx2, None)
+    for cap, expected in (("avx512_core", "AVX512_CORE"), ("all", None), ("", None)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert env.onednn_cap() == expected
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    cpu = env.cpu_info()
+    assert cpu["onednn_cap"] == "AVX2" and cpu["bf16_native"] is False and env.accelerator_info()["bf16_native"] is False
+    accel = {"name": "cpu", "communication_backend": "gloo", "bf16_supported": True, "fp16_supported": False}
+    ops = {"cpu_adam": {"compatible": True, "built": True}, "shm_comm": {"compatible": True, "built": True}}
+    tools = {"ninja": "/usr/bin/ninja", "c++": "/usr/bin/c++", "g++": None, "numactl": None}
+    capped = {**cpu, "flags": {**cpu["flags"], "avx512_bf16": True}}
+    reason = {f["name"]: f for f in env.features(accel, capped, ops, tools)}["bf16 training"]["reason"]
+    assert "capped at AVX2 (ONEDNN_MAX_CPU_ISA)" in reason and "natively" not in reason
+    native = {**capped, "bf16_native": True}
+    assert "natively" in {f["name"]: f for f in env.features(accel, native, ops, tools)}["bf16 training"]["reason"]

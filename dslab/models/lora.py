@@ -9,6 +9,7 @@ from pathlib import Path
 from dslab.models import loading
 from dslab.files import atomic_dir, check_writable
 from dslab.messages import say
+from dslab.noise import bound
 from dslab.models.loading import ADAPTER_WEIGHTS, DTYPES, AdapterError, check_adapter_state, is_adapter_key
 
 # Every linear layer of a Qwen2/Llama block (PEFT's and ms-swift's "all-linear"), not the output head.
@@ -184,6 +185,8 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
     from transformers import AutoModelForCausalLM
 
     show = print if verbose else (lambda *a, **k: None)
+    if not tolerance >= 0:   # a negative (or nan) tolerance would refuse every merge with a misleading comparison
+        raise MergeError(say("number.at_least", name="tolerance", least=0, value=tolerance))
     check_writable(output_dir)
     saved_dtype = loading.torch_dtype(dtype)
     # float32: the check below sees the merge's error only
@@ -198,7 +201,7 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
         diff = (merged(input_ids=ids).logits - reference).abs().max().item()
     if not diff <= tolerance:
         raise MergeError(f"merged logits differ from base+adapter by {diff:.3g} (> {tolerance}); nothing written")
-    show(f"merged logits match base+adapter: max |diff| = {diff:.1e} <= {tolerance:g}")
+    show(f"merged logits match base+adapter: max |diff| {bound(diff, tolerance)}")
     merged = merged.to(saved_dtype)
     weights = {k: v.clone() for k, v in merged.state_dict().items()}
     with atomic_dir(output_dir) as tmp:
@@ -212,8 +215,10 @@ def merge(model=None, adapter_dir=None, output_dir=None, tolerance=1e-4, dtype="
             rounding = (reloaded.float()(input_ids=ids).logits - reference).abs().max().item()
         if dtype == "fp32" and not rounding <= tolerance:
             raise MergeError(f"the merged model read back from disk differs by {rounding:.3g}; nothing written")
+    # float32: rounding noise, shown as the bound it was checked against; bf16: the merge's rounding, a result
+    shown = bound(rounding, tolerance) if dtype == "fp32" else f"{rounding:.1e}"
     show(f"saved in {DTYPES[dtype]}, read back with plain transformers: same weights "
-        f"(run in float32: max |logit diff| to base+adapter {rounding:.1e}); wrote {output_dir}")
+         f"(run in float32: max |logit diff| to base+adapter {shown}); wrote {output_dir}")
     return {"max_abs_diff": diff, "saved_dtype": DTYPES[dtype], "dtype_rounding": rounding,
             "adapter_parameters": adapter_params, "model_parameters": sum(p.numel() for p in merged.parameters()),
             "output": str(output_dir)}
