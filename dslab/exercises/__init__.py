@@ -150,6 +150,13 @@ def resolved_optimizer(ds_config):
     return kind, lr, getattr(cls, "__name__", str(name))
 
 
+def classic_adam_mistake(built):
+    """The mistake of a config whose Adam has "adam_w_mode": false (resolved_optimizer's kind "Adam")."""
+    return Mistake(f'with "adam_w_mode": false DeepSpeed builds classic Adam ({built}: weight decay added to the '
+                   'gradient, L2), not AdamW: leave adam_w_mode out (DeepSpeed\'s "Adam" is AdamW by default) or '
+                   'write "type": "AdamW"')
+
+
 def exercise(exercise_id, hint, wrong=(), prepare=None):
     """Decorator: register `fn(answer) -> bool` as the checker of `exercise_id`.
 

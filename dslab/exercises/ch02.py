@@ -4,8 +4,8 @@
 Solutions: notebooks/solutions/02_solutions.py."""
 import math
 
-from dslab.exercises import (Mistake, ch02_amp_clip, config_problems, exercise, get, name_known_mistake,
-                             resolved_config, resolved_optimizer, same)
+from dslab.exercises import (Mistake, ch02_amp_clip, classic_adam_mistake, config_problems, exercise, get,
+                             name_known_mistake, resolved_config, resolved_optimizer, same)
 from dslab.precision.formats import FP16_FATE_VALUES, cast, fate
 
 CODING = (ch02_amp_clip,)   # imported for the exercise it registers, 02.amp_clip
@@ -146,9 +146,7 @@ def _check_bf16_config(cfg):
                       'the task asks the config for AdamW: "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}')
     kind, lr, built = optimizer
     if kind == "Adam":
-        raise Mistake(f'with "adam_w_mode": false DeepSpeed builds classic Adam ({built}: weight decay added to the '
-                      'gradient, L2), not AdamW: leave adam_w_mode out (DeepSpeed\'s "Adam" is AdamW by default) or '
-                      'write "type": "AdamW"')
+        raise classic_adam_mistake(built)
     if kind != "AdamW":
         raise Mistake(f'the optimizer is {kind!r} ({built}); the task asks AdamW: "type": "AdamW" (or "Adam", '
                       "which DeepSpeed builds as AdamW unless adam_w_mode is false)")

@@ -4,7 +4,7 @@ Trainer accepts.
 Solutions: notebooks/solutions/09_solutions.py."""
 import copy
 
-from dslab.exercises import Mistake, exercise, expect, resolved_config, resolved_optimizer
+from dslab.exercises import Mistake, classic_adam_mistake, exercise, expect, resolved_config, resolved_optimizer
 
 # Exercise 09.ds_config: the arguments the learner's config must agree with, on the chapter's 2 ranks. "auto" or the
 # same number on both sides both work: the Trainer fills "auto" and checks a number against its own value
@@ -143,9 +143,7 @@ def _check_resolved(ds, trainer_args):
                       "add {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\"}}")
     kind, lr, built = optimizer
     if kind == "Adam":
-        raise Mistake(f"with \"adam_w_mode\": false DeepSpeed builds classic Adam ({built}: weight decay added to the "
-                      "gradient, L2), not AdamW: leave adam_w_mode out (DeepSpeed's \"Adam\" is AdamW by default) or "
-                      "write \"type\": \"AdamW\"")
+        raise classic_adam_mistake(built)
     if kind != "AdamW":
         raise Mistake(f"the optimizer is {kind!r} ({built}): the task asks DeepSpeed's AdamW, "
                       "{\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\"}}")
