@@ -20,9 +20,9 @@ FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
 # oneDNN runs torch's bf16 matmuls on the best instruction set it finds; ONEDNN_MAX_CPU_ISA caps it. Its values, lowest
 # first (aliases share a rank): below AVX512_CORE_BF16, bf16 matmuls run without bf16 instructions (plain AVX-512, or
 # emulated at AVX2 and below), slower and with other rounding, whatever the CPU's flags say.
-ONEDNN_ISAS = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5, "AVX512_CORE_VNNI": 6,
-               "AVX512_CORE_BF16": 7, "AVX10_1_512": 8, "AVX512_CORE_FP16": 8, "AVX10_1_512_AMX": 9,
-               "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10}
+ONEDNN_ISAS = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5,
+               "AVX512_CORE_VNNI": 6, "AVX512_CORE_BF16": 7, "AVX10_1_512": 8, "AVX512_CORE_FP16": 8,
+               "AVX10_1_512_AMX": 9, "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10}
 # JIT ops the course uses: (name in reports, DeepSpeed op-builder class, what needs it).
 COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
@@ -217,7 +217,8 @@ def features(accel, cpu, ops, tools):
     fast = [flag for flag in ("avx512_bf16", "amx_bf16") if cpu["flags"].get(flag)]
     if device == "cpu":
         if not fast:
-            bf16_reason = "CPU accelerator; no avx512_bf16/amx_bf16: bf16 works but may be slower than fp32 (measure it)"
+            bf16_reason = ("CPU accelerator; no avx512_bf16/amx_bf16: bf16 works but may be slower than fp32 "
+                           "(measure it)")
         elif cpu["bf16_native"]:
             bf16_reason = f"CPU accelerator; this CPU has {' and '.join(fast)}: bf16 matmuls run natively"
         else:

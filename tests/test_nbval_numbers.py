@@ -164,7 +164,8 @@ def test_nbval_compares_by_the_rule(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     out = run.stdout
     failed = sorted(set(re.findall(r"FAILED (\S+::Cell \d)", out)))
-    assert failed == ["rule.ipynb::Cell 1", "rule.ipynb::Cell 2", "rule.ipynb::Cell 3", "rule.ipynb::Cell 5"], out[-3000:]
+    expected = ["rule.ipynb::Cell 1", "rule.ipynb::Cell 2", "rule.ipynb::Cell 3", "rule.ipynb::Cell 5"]
+    assert failed == expected, out[-3000:]
     assert "2.180 where 2.281 was stored" in out and "13" in out and "17 where 19 was stored: off by 2" in out
     assert "4 failed, 5 passed" in out, out[-1500:]
 
