@@ -162,7 +162,7 @@ def test_merge_refuses_bad_adapters_and_writes_nothing(base_dir, tmp_path):
 def test_merge_that_does_not_reproduce_the_adapter_writes_nothing(base_dir, tmp_path):
     lora.save_adapter(_trained_adapter(base_dir), tmp_path / "adapter")
     with pytest.raises(lora.MergeError, match="nothing written"):
-        lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", tolerance=-1.0, verbose=False)
+        lora.merge(base_dir, tmp_path / "adapter", tmp_path / "merged", tolerance=0.0, verbose=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 

@@ -221,11 +221,6 @@ def diagnose(got, want, case):
         if g["stepped"] and not _close(g["grads"], r["grads"]):
             if not g["finite"]:
                 return f"{where} the optimizer applied inf/nan gradients: the weights are now inf/nan"
-            if g["zero"]:
-                return (f"{where} every gradient the optimizer applied was 0: no loss scaling. fp16 flushes these "
-                        f"tiny gradients (2 x {OFFSET} / ({case['rows']} x {case['d_out']}) each) to 0; multiply "
-                        "the loss by the scale before backward: scaler.scale(loss).backward() (and do not zero the "
-                        "gradients between backward and the step)")
             if math.isclose(g["norm"], max_norm / g["scale_before"], rel_tol=1e-2):
                 return (f"{where} the gradients the optimizer applied have norm {g['norm']:.3g} = max_norm / "
                         f"{g['scale_before']:g}: they were clipped while still multiplied by the loss scale, and "
@@ -236,6 +231,13 @@ def diagnose(got, want, case):
                 return (f"{where} the gradients the optimizer applied have norm {g['norm']:.3g}: you clipped to "
                         f"{CHAPTER_MAX_NORM}, the chapter's number, but this check passed max_norm={max_norm:.3g}: "
                         "clip to the max_norm your step is given")
+            if g["zero"] or g["norm"] < 0.1 * r["norm"]:   # fp16 flushed all of them, or most: no scale lifted them
+                applied = "were all 0" if g["zero"] else \
+                    f"had norm {g['norm']:.3g} where the reference's have {r['norm']:.3g}, most of them flushed to 0"
+                return (f"{where} the gradients the optimizer applied {applied}: no loss scaling. fp16 flushes "
+                        f"these tiny gradients (2 x {OFFSET} / ({case['rows']} x {case['d_out']}) each) to 0; "
+                        "multiply the loss by the scale before backward: scaler.scale(loss).backward() (and do not "
+                        "zero the gradients between backward and the step)")
             if g["norm"] > max_norm * (1 + 1e-3):
                 return (f"{where} the gradients the optimizer applied have norm {g['norm']:.3g}, above "
                         f"max_norm={max_norm:.3g}: they were not clipped. Call torch.nn.utils.clip_grad_norm_("

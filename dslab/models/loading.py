@@ -5,6 +5,7 @@ Qwen2 checkpoint: pass a hub id such as Qwen/Qwen2-0.5B (or set DSLAB_MODEL) and
 `load_model` is the one loader: with `adapter=` it puts a checked LoRA adapter on the base (the adapter's own
 files are read and checked here, before PEFT sees them). Building dslab-tiny from scratch is dslab.tiny.pretrain.
 """
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -90,10 +91,11 @@ def check_model(path=None, adapter=None, weights=True):
     return name
 
 
-def _from_pretrained(auto_class, name, **kwargs):
-    """auto_class.from_pretrained(name, ...); a hub id the hub (or its cache) cannot give raises ModelError."""
+@contextlib.contextmanager
+def hub_errors(name):
+    """Around a from_pretrained of `name`: a hub id the hub (or its cache) cannot give raises ModelError."""
     try:
-        return auto_class.from_pretrained(name, **kwargs)
+        yield
     except OSError as exc:
         if Path(name).exists():
             raise  # a local folder checked by check_model: transformers' own message says what else is wrong
@@ -113,8 +115,10 @@ def load_model(path=None, adapter=None, dtype="fp32", merge_adapter=False, trust
 
     if adapter:
         read_adapter(adapter)  # a broken adapter fails here, before anything big is loaded
-    model = _from_pretrained(AutoModelForCausalLM, check_model(path, adapter), dtype=torch_dtype(dtype),
-                             use_safetensors=True, trust_remote_code=trust_remote_code)
+    name = check_model(path, adapter)
+    with hub_errors(name):
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype(dtype), use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code)
     if adapter:
         model = apply_adapter(model, adapter)
         if merge_adapter:
@@ -129,7 +133,8 @@ def load_tokenizer(path=None, adapter=None, trust_remote_code=False):
     name = check_model(path, adapter)
     if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
         raise ModelError(say("model.no_tokenizer", path=name, files=", ".join(TOKENIZER_FILES[:2])))
-    return _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    with hub_errors(name):
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def tiny_config(**overrides):
