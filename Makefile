@@ -46,7 +46,7 @@ lab-zh: setup
 # when it ends (--output-sync), not interleaved. The ZeRO widget's browser test comes last, on a quiet machine:
 # it times each re-measurement (under 10 s).
 test: setup
-	@echo "unit tests, notebooks and decks side by side (19 to 20 minutes on 2 cores); each one's output comes when it ends"
+	@echo "unit tests, notebooks and decks side by side (about 21 minutes on 2 cores); each one's output comes when it ends"
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit test-notebooks test-decks-if-chromium
 	$(MAKE) --no-print-directory test-widget-if-chromium
 
