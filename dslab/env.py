@@ -104,10 +104,10 @@ def cpu_info():
     except OSError:  # not Linux
         pass
     model = model or platform.processor() or None
-    known = {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}
+    known, cap = {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}, onednn_cap()
     return {"cores_usable": cores["usable"], "cores_total": os.cpu_count(), "cores_affinity": cores["affinity"],
             "cpu_quota": cores["quota"], "cores_quota": cores["quota_cores"], "cores_limited_by": cores["limited_by"],
-            "model": model, "flags": known, "onednn_cap": onednn_cap(), "bf16_native": bf16_native(known, onednn_cap())}
+            "model": model, "flags": known, "onednn_cap": cap, "bf16_native": bf16_native(known, cap)}
 
 
 def memory_info():
