@@ -13,9 +13,9 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser \
-        test-decks-if-chromium test-widget-if-chromium test-gpu slides bench chromium clean \
-        swift llamafactory tool-venvs test-tools
+.PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
+        test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane test-browser-if-chromium \
+        test-workshop slides bench chromium clean swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
 
@@ -41,22 +41,37 @@ lab-zh: setup
 
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
-# The unit tests, the notebooks and the decks' browser checks run side by side: all three spend much of their time
-# starting processes and waiting on ranks, so on 2 cores they fill each other's waits. Each one's output is shown
-# when it ends (--output-sync), not interleaved. The ZeRO widget's browser test comes last, on a quiet machine:
-# it times each re-measurement (under 10 s).
+# Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
+# the exercise checkers'; chapters 00-06; chapters 07-14; the browser tests, then the exercise checkers' tests (their
+# answers run on ranks, one launch per world size). On 2 cores the lanes fill each other's waits (process starts,
+# ranks joining a group) and, split so, end at about the same time.
+UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/test_tools_runs.py
+RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py
+
 test: setup
-	@echo "unit tests, notebooks and decks side by side (about 21 minutes on 2 cores); each one's output comes when it ends"
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-unit test-notebooks test-decks-if-chromium
-	$(MAKE) --no-print-directory test-widget-if-chromium
+	@echo "four lanes side by side (about 21 minutes on 2 cores); each lane's output comes when it ends"
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06 test-notebooks-07-14 \
+		test-browser-exercises-lane
+
+test-unit-lane: setup
+	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES))
+
+test-browser-exercises-lane: setup test-browser-if-chromium
+	$(BIN)/python -m pytest -q --durations=10 $(RANK_EXERCISES)
 
 # The quick loop while editing: no multi-rank or otherwise slow test (markers set in conftest.py).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
+	$(BIN)/python -m pytest -q -m "not slow" tests $(UNIT_SKIPS)
 
 # tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
 test-unit: setup
-	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/browser --ignore=tests/test_tools_runs.py
+	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS)
+
+# Three learners on one server at once (tests/workshop): each with a copy of the course and a home of their own, the
+# venv shared, chapters 00 and 01 under nbval side by side; nothing written outside their folders; their progress
+# collected into one view. Several minutes on 2 cores: .ci/run runs it after make test.
+test-workshop: setup
+	$(BIN)/python -m pytest -q tests/workshop
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup
@@ -66,8 +81,16 @@ test-gpu: setup
 # that), so the English run covers them, and running them again would double the notebooks' CI time.
 # A cell may take 30 minutes: on a CPU without AVX-512 BF16 / AMX, oneDNN emulates bf16 and chapter 05's training
 # takes about 18 minutes (measured with ONEDNN_MAX_CPU_ISA=AVX2); a hung cell still fails, later.
+NBVAL := $(BIN)/python -m pytest -q --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
 test-notebooks: setup
-	$(BIN)/python -m pytest -q --nbval notebooks --ignore=notebooks/zh --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
+	$(NBVAL) --nbval notebooks --ignore=notebooks/zh
+
+# make test's two notebook lanes: about the same CPU time each (chapters 05 and 06 against 08 and 09).
+test-notebooks-00-06: setup
+	$(NBVAL) --nbval $(wildcard notebooks/0[0-6]_*.ipynb)
+
+test-notebooks-07-14: setup
+	$(NBVAL) --nbval $(wildcard notebooks/0[7-9]_*.ipynb notebooks/1[0-9]_*.ipynb)
 
 # The notebooks again on a bf16 kernel path below this CPU's own, nothing re-recorded: what a lesser CPU's kernels
 # do to the stored outputs, compared by the rule of tests/nbval_numbers.py. CI runs it after `make test`. The path:
@@ -92,14 +115,9 @@ test-browser: setup chromium
 	$(BIN)/python -m pytest -q tests/browser
 
 # Without chromium the browser tests are skipped with a one-line note (make chromium installs it).
-WIDGET_TEST := tests/browser/test_zero_widget.py
-
-test-decks-if-chromium: setup
-	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser --ignore=$(WIDGET_TEST); \
+test-browser-if-chromium: setup
+	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser; \
 	else echo "browser tests skipped: no chromium here (make chromium installs Debian's, or run make test-browser)"; fi
-
-test-widget-if-chromium: setup
-	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q $(WIDGET_TEST); fi
 
 # The training tools of chapter 14, each in a venv of its own: their pins cannot share dslab's (ms-swift 4.6.0 needs
 # transformers<5.20 and peft<0.21; LLaMA-Factory 0.9.5 transformers<=5.6, peft<=0.18.1, accelerate<=1.11). Same

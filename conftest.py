@@ -17,6 +17,9 @@ import pytest
 # The tests and the notebooks' stored outputs are in English, whatever the locale of the machine that runs them
 # (dslab.messages speaks Chinese in a zh_* locale); tests of the Chinese messages set the language themselves.
 os.environ["DSLAB_LANG"] = "en"
+# Every exercise check records its verdict in a progress file (dslab/exercises/progress.py): the tests' and the
+# notebooks' checks go to one under build/, never into the home folder of whoever runs the tests.
+os.environ.setdefault("DSLAB_PROGRESS", str(Path(__file__).resolve().parent / "build" / "test-progress.jsonl"))
 
 # Tests that start ranks, by node id ("file::test" also covers its parametrized cases; "file::test[case]" one
 # case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import
@@ -76,6 +79,7 @@ MULTIRANK = (
     "tests/test_widgets.py::test_a_model_too_big_for_the_budget_is_measured_at_the_largest_size_that_fits",
     "tests/test_widgets.py::test_live_world_size_other_than_the_ranks_is_theory_only",
     "tests/browser/test_zero_widget.py",
+    "tests/workshop/",  # three learners' chapters at once (make test-workshop)
 )
 
 # Single-process tests that took 3 s or more (all cases together) in the measured full run (see

@@ -2,11 +2,14 @@
 
 Rows: wall time of each notebook and of the whole course; DeepSpeed ZeRO-0 step time against a plain PyTorch
 loop on the same model and batches, and every ZeRO stage / offload against ZeRO-0; measured / theory model-state
-memory per stage; SFT identity accuracy and time; generation tokens/s for Hugging Face vs DeepSpeed tp=1 / tp=2;
-training MFU of the kit's step (benchmarks/mfu.py).
-Goals it reports against: the whole course under 10 minutes on 2 CPU cores; ZeRO-0 at most 1.3x plain PyTorch.
+memory per stage; the seconds chapter 04's ZeRO explorer takes to re-measure after a change; SFT identity
+accuracy and time; generation tokens/s for Hugging Face vs DeepSpeed tp=1 / tp=2; training MFU of the kit's step
+(benchmarks/mfu.py).
+Goals it reports against: the whole course under 10 minutes on 2 CPU cores; ZeRO-0 at most 1.3x plain PyTorch; a
+change in the ZeRO explorer re-measured within 10 s.
 
-    python benchmarks/course_bench.py [--parts notebooks,steps,memory,sft,infer,mfu] [--output benchmarks/latest.md]
+    python benchmarks/course_bench.py [--parts notebooks,steps,memory,widget,sft,infer,mfu]
+                                      [--output benchmarks/latest.md]
 
 Committed notebooks are executed in memory (nbclient) and never written back. Runs go to a temporary folder.
 """
@@ -25,9 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-PARTS = ("notebooks", "steps", "memory", "sft", "infer", "mfu")
+PARTS = ("notebooks", "steps", "memory", "widget", "sft", "infer", "mfu")
 COURSE_GOAL_S = 600       # the whole course, every notebook executed, on 2 CPU cores
 ZERO0_GOAL = 1.3          # DeepSpeed ZeRO-0 step time / plain PyTorch step time
+WIDGET_GOAL_S = 10       # chapter 04's ZeRO explorer: a stage or offload change shows new measured bars
 INFER_PROMPTS = ["The weather today is", "DeepSpeed splits the model", "我们今天去", "Once upon a time"]
 
 
@@ -145,6 +149,35 @@ def bench_memory(run_dir):
     return rows
 
 
+def bench_widget():
+    """Chapter 04's ZeRO explorer on 2 live ranks, set up as the chapter does: the seconds each change of stage or
+    offload takes to re-measure (what a learner waits for after a click; the browser test checks the bars)."""
+    from dslab import live
+    from dslab.zero import widgets
+
+    ranks = live.start(world_size=2)
+    try:
+        explorer = widgets.ZeroExplorer(ranks=ranks, params=7e9, world_size=2, zero_stage=2)
+        changes = (("ZeRO-1", lambda: setattr(explorer.stage, "value", 1)),
+                   ("ZeRO-1 + offload optimizer", lambda: setattr(explorer.offload_optimizer, "value", True)),
+                   ("ZeRO-3 + offload optimizer", lambda: setattr(explorer.stage, "value", 3)),
+                   ("ZeRO-3", lambda: setattr(explorer.offload_optimizer, "value", False)),
+                   ("ZeRO-0", lambda: setattr(explorer.stage, "value", 0)))
+        rows = []
+        for name, change in changes:
+            explorer.measured = None
+            change()
+            if explorer.measured is None:
+                raise RuntimeError(f"no new measurement after the change to {name}: {explorer.status.value}")
+            seconds = explorer.seconds
+            rows.append(row("widget", f"ZeRO explorer, change to {name}: new measured bars", f"{seconds:.1f} s",
+                            f"<= {WIDGET_GOAL_S} s: " + ("met" if seconds <= WIDGET_GOAL_S else "NOT met"),
+                            "2 live ranks, as chapter 04 starts them"))
+        return rows
+    finally:
+        ranks.stop()
+
+
 # ------------------------------------------------------------------------------------------------- SFT
 def bench_sft(out_dir):
     """`dslab sft` with its defaults (LoRA, ZeRO-2, 2 ranks), then identity and general accuracy of the result."""
@@ -252,6 +285,8 @@ def main(argv=None):
                         rows += bench_steps(Path(tmp) / "runs")
                     elif part == "memory":
                         rows += bench_memory(Path(tmp) / "runs")
+                    elif part == "widget":
+                        rows += bench_widget()
                     elif part == "sft":
                         rows += bench_sft(tmp)
                     elif part == "infer":

@@ -275,3 +275,26 @@ def comm_bytes_bars(rows, title="Bytes each rank sends per optimizer step"):
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig, data
+
+
+# ---------------------------------------------------------------------------------------- a workshop's progress
+
+def class_progress(exercise_rows):
+    """Per exercise, how many learners passed it and how many tried it and have not passed yet (stacked bars).
+
+    exercise_rows: (exercise, passed, not yet, ...) as dslab.exercises.progress.class_rows gives them; data: the
+    same as {"exercise": [...], "passed": [...], "not yet": [...]}."""
+    data = {"exercise": [r[0] for r in exercise_rows], "passed": [r[1] for r in exercise_rows],
+            "not yet": [r[2] for r in exercise_rows]}
+    fig, (ax,) = _figure(width=6.0, height=max(2.0, 0.22 * len(exercise_rows) + 1.0))
+    rows = range(len(exercise_rows))
+    ax.barh(rows, data["passed"], color="#55a868", label="passed")
+    ax.barh(rows, data["not yet"], left=data["passed"], color="#dd8452", label="tried, not passed yet")
+    ax.set_yticks(list(rows), data["exercise"], fontsize=7)
+    ax.invert_yaxis()   # course order, top to bottom
+    ax.set_xlabel("learners")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Exercises: who passed, who is still trying", fontsize=9)
+    fig.tight_layout()
+    return fig, data

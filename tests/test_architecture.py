@@ -99,7 +99,7 @@ def test_nothing_imports_the_command_line_or_a_recipe():
 # (dslab/comm/, ...) or a top-level module (dslab/this_rank.py). docs/architecture.md shows the same table.
 LAYERS = [
     {"messages"},
-    {"files", "data", "plots", "course", "noise"},
+    {"files", "data", "plots", "course", "noise", "workshop"},
     {"launch", "config"},
     {"this_rank"},
     {"env", "models"},

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dslab.exercises import feedback
+from dslab.exercises import feedback, progress
 
 _REGISTRY = {}
 
@@ -239,7 +239,8 @@ def get(exercise_id):
 
 
 def check(exercise_id, answer):
-    """Print whether `answer` solves the exercise (with a hint if not) and return True/False."""
+    """Print whether `answer` solves the exercise (with a hint if not) and return True/False. The verdict is also
+    recorded in the learner's progress file (dslab/exercises/progress.py), which `dslab progress` reads."""
     ex = get(exercise_id)
     if answer is None or answer is ...:
         print("No answer yet: replace None with your answer, then run the cell again.")
@@ -248,9 +249,11 @@ def check(exercise_id, answer):
         ok = bool(ex.checker(answer))
     except Mistake as mistake:  # the checker names what is wrong and why
         print(f"Not quite: {mistake}")
+        progress.record(exercise_id, "mistake", str(mistake))
         return False
     except CodeError as error:  # the learner's code raised on a rank: its report was written there
         print(error)
+        progress.record(exercise_id, "error", feedback.exception_line(str(error)))
         return False
     except Exception as exc:
         report = feedback.explain(exc)
@@ -258,6 +261,8 @@ def check(exercise_id, answer):
             ok = False
         else:                   # the learner's own code raised: show where, and what it means
             print(report)
+            progress.record(exercise_id, "error", feedback.exception_line(report))
             return False
     print("Correct!" if ok else f"Not quite: {ex.hint}")
+    progress.record(exercise_id, "passed" if ok else "hint", "" if ok else ex.hint)
     return ok

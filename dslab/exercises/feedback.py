@@ -96,3 +96,12 @@ def meaning(exc):
         if cls.__name__ in MEANINGS:
             return MEANINGS[cls.__name__]
     return GENERIC_MEANING
+
+
+def exception_line(report):
+    """The exception's own line in a report from `explain` (the line before "What it means"), else its last line."""
+    lines = [line for line in report.splitlines() if line.strip()]
+    for before, line in zip(lines, lines[1:]):
+        if line.startswith("What it means:"):
+            return before.strip()
+    return lines[-1].strip() if lines else ""

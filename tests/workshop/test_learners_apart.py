@@ -1,0 +1,110 @@
+"""Three learners on one server, at the same time: each has a copy of the course and a home of their own, the venv is
+installed once for all, and each runs chapter 00 (a first launch through the deepspeed launcher) and chapter 01 (live
+ranks, collectives, an exercise checked on ranks) under nbval, all three at once.
+
+Each must pass; nothing may be written outside a learner's own folders (their copy, their home, their temporary
+folder); and their progress files collect into one view. `make test-workshop` runs it (.ci/run does, after make
+test): three learners' chapters at once take several minutes on 2 cores.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LEARNERS = ("ana", "bo", "chen")
+CHAPTERS = ("notebooks/00_setup.ipynb", "notebooks/01_distributed_basics.ipynb")
+TIMEOUT_S = 1500
+
+
+def _course_copy(dest):
+    """The learner's own copy of the course: the tracked files, with the venv installed once for all (a link)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+
+
+def _entries(folder):
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
+def _changed_since(folder, start):
+    """Files under the installed kit (not its venvs or git) written after `start`: the kit is installed once for
+    every learner, so a chapter must never write into it."""
+    changed = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not (Path(dirpath) == folder and (d.startswith(".venv") or d == ".git"))]
+        changed += [os.path.join(dirpath, f) for f in filenames
+                    if os.lstat(os.path.join(dirpath, f)).st_mtime > start]
+    return sorted(changed)
+
+
+@pytest.fixture(scope="module")
+def learners(tmp_path_factory):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    base = tmp_path_factory.mktemp("server")
+    shared_tmp, real_home = Path("/tmp"), Path.home()
+    before = {"tmp": _entries(shared_tmp), "home": _entries(real_home)}
+    start = time.time()
+    runs = {}
+    for name in LEARNERS:
+        # as on a server: /home/NAME, the learner's copy of the course in it, a temporary folder of their own
+        home, course, tmp = base / "home" / name, base / "home" / name / "dslab", base / "tmp" / name
+        tmp.mkdir(parents=True)
+        _course_copy(course)
+        env = {key: value for key, value in os.environ.items() if not key.startswith(("DSLAB_", "PYTEST_"))}
+        env.update(HOME=str(home), TMPDIR=str(tmp), DSLAB_LANG="en",
+                   # the compiled ops, built once for the server's account (make setup); a learner's own account
+                   # builds its own on first use
+                   TORCH_EXTENSIONS_DIR=get_default_build_root(),
+                   PATH=f"{course / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+        command = [str(course / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "--nbval", *CHAPTERS, "--nbval-current-env", "--nbval-sanitize-with", "tests/sanitize.cfg",
+                   "--nbval-cell-timeout=1200"]
+        runs[name] = (home, tmp, subprocess.Popen(command, cwd=course, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True))
+    results = {}
+    for name, (home, tmp, proc) in runs.items():
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        results[name] = {"home": home, "tmp": tmp, "returncode": proc.returncode, "output": out}
+    after = {"tmp": _entries(shared_tmp), "home": _entries(real_home)}
+    return {"base": base, "results": results, "new": {k: after[k] - before[k] for k in after},
+            "kit_written": _changed_since(ROOT, start)}
+
+
+def test_every_learner_passes_both_chapters_at_the_same_time(learners):
+    for name, result in learners["results"].items():
+        assert result["returncode"] == 0, f"{name}:\n{result['output'][-4000:]}"
+
+
+def test_nothing_is_written_outside_the_learners_own_folders(learners):
+    # pytest's own temporary root (where these learners live) is the one new thing allowed in /tmp
+    outside = {where: sorted(n for n in new if not n.startswith("pytest-of-")) for where, new in learners["new"].items()}
+    assert outside == {"tmp": [], "home": []}, outside
+    assert learners["kit_written"] == [], "written into the kit installed for everyone"
+    for name, result in learners["results"].items():
+        left = sorted(os.listdir(result["tmp"]))
+        assert not [n for n in left if n.startswith("dslab-live-")], f"{name}: a live cluster's profile was left: {left}"
+
+
+def test_their_progress_files_collect_into_one_view(learners):
+    homes = [str(result["home"]) for result in learners["results"].values()]
+    for home in homes:
+        assert (Path(home) / ".dslab" / "progress.jsonl").is_file(), f"no checks recorded in {home}"
+    # the instructor points at the server's home folders; all three ran as one login here, so each is told apart by
+    # the home folder its file lies in
+    result = subprocess.run([sys.executable, "-m", "dslab.cli", "progress", "--collect",
+                             str(learners["base"] / "home")], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "DSLAB_LANG": "en"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(LEARNERS)} progress file(s), {len(LEARNERS)} learner(s)" in result.stdout, result.stdout
+    for name in LEARNERS:
+        assert f"({name})" in result.stdout, result.stdout
