@@ -343,3 +343,22 @@ def test_the_starting_process_place_does_not_reach_the_launcher(monkeypatch, tmp
         monkeypatch.setenv(var, "0")
     env = launch.supervise.rank_environment(2, tmp_path)
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE"} & set(env)
+
+
+def test_a_port_whose_job_just_ended_is_free_and_one_listened_on_is_not():
+    # torch's rendezvous store listens with SO_REUSEADDR; when a job ends, its connections linger in TIME_WAIT. The
+    # port is free for the next job then, and the ended job's /dev/shm buffers (named by port) are removed as stale.
+    store = socket.socket()
+    store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    store.bind(("127.0.0.1", 0))
+    store.listen()
+    port = store.getsockname()[1]
+    assert not launch.port_is_free(port)
+    rank = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = store.accept()
+    accepted.close()          # the store's side closes first: its end of the connection waits in TIME_WAIT
+    time.sleep(0.1)
+    rank.close()
+    store.close()
+    time.sleep(0.1)
+    assert launch.port_is_free(port)

@@ -125,8 +125,11 @@ def threads_per_rank(ranks):
 # --------------------------------------------------------------------------- ports, GPUs
 
 def port_is_free(port, host="127.0.0.1"):
-    """True if nothing listens on host:port (the rendezvous store needs it)."""
+    """True if nothing listens on host:port (the rendezvous store needs it). A port whose job has just ended is free:
+    its closed connections linger in TIME_WAIT for a minute, which SO_REUSEADDR lets a new listener (torch's store
+    sets it too) bind over, and which once kept a finished job's buffers in /dev/shm as if the job still ran."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -17,7 +17,7 @@ dp_group_of_3 = [r for r in ranks if r % tp == 3 % tp]
 
 
 
-# 01.average_gradients: what DDP does after backward, written by hand; the checker runs it on the live ranks.
+# 01.average_gradients: what DDP does after backward, written by hand; the checker runs it on ranks it launches.
 def average_gradients(model):
     """Make every p.grad the mean over the ranks of that gradient (call on every rank after loss.backward())."""
     import torch.distributed as dist
