@@ -14,8 +14,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
-        test-unit-launches-lane test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane \
-        test-browser-if-chromium test-workshop slides bench chromium clean swift llamafactory tool-venvs test-tools
+        test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane test-browser-if-chromium \
+        test-workshop slides bench chromium clean swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
 
@@ -41,26 +41,20 @@ lab-zh: setup
 
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
-# Five lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests in two
-# (the files that launch the most ranks, the rest), chapters 00-06, chapters 07-14, and the browser tests then the
-# exercise checkers' tests (their answers run on ranks, one launch per world size). Each lane is one process that
-# mostly waits on processes it starts; on 2 cores, split so, they keep both cores busy and end at about the same time.
+# Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
+# the exercise checkers'; chapters 00-06; chapters 07-14; the browser tests, then the exercise checkers' tests (their
+# answers run on ranks, one launch per world size). On 2 cores the lanes fill each other's waits (process starts,
+# ranks joining a group) and, split so, end at about the same time.
 UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/test_tools_runs.py
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py
-# test_accumulation and test_multinode share one launch (conftest.py): keep them in one lane
-UNIT_LAUNCHES  := tests/test_sft.py tests/test_faults.py tests/test_tp_infer.py tests/test_memory.py \
-                  tests/test_comm_bytes.py tests/test_accumulation.py tests/test_multinode.py
 
 test: setup
-	@echo "five lanes side by side (about 22 minutes on 2 cores); each lane's output comes when it ends"
-	$(MAKE) --no-print-directory -j5 --output-sync=target test-unit-launches-lane test-unit-lane \
-		test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane
-
-test-unit-launches-lane: setup
-	$(BIN)/python -m pytest -q --durations=10 $(UNIT_LAUNCHES)
+	@echo "four lanes side by side (about 22 minutes on 2 cores); each lane's output comes when it ends"
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06 test-notebooks-07-14 \
+		test-browser-exercises-lane
 
 test-unit-lane: setup
-	$(BIN)/python -m pytest -q --durations=10 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(UNIT_LAUNCHES))
+	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES))
 
 test-browser-exercises-lane: setup test-browser-if-chromium
 	$(BIN)/python -m pytest -q --durations=10 $(RANK_EXERCISES)
