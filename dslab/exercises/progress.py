@@ -85,14 +85,14 @@ class Entry:
     time: str
 
 
-def read(path, learner=None):
+def read(path):
     """The entries of one progress file, oldest first. Lines that are not a whole entry (a file cut short by a full
-    disk) are skipped. `learner` replaces the recorded name."""
+    disk) are skipped."""
     entries = []
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             raw = json.loads(line)
-            entries.append(Entry(learner or str(raw["learner"]), str(raw["exercise"]), str(raw["verdict"]),
+            entries.append(Entry(str(raw["learner"]), str(raw["exercise"]), str(raw["verdict"]),
                                  str(raw.get("detail", "")), str(raw.get("time", ""))))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -140,7 +140,6 @@ class Standing:
     """One learner's standing on one exercise."""
     tries: int = 0
     passed: bool = False
-    last: str = ""          # the verdict of the last check
     mistake: str = ""       # the last named mistake (or error), if any
     order: int = 0          # when it was last tried: the entry's place among all entries
 
@@ -153,7 +152,6 @@ def standings(entries):
         s.tries += 1
         s.order = order
         s.passed = s.passed or e.verdict == "passed"
-        s.last = e.verdict
         if e.verdict in ("mistake", "error"):
             s.mistake = e.detail
     return table

@@ -79,7 +79,6 @@ MEASURED = """([root, stage, offload]) => {
   const cfg = JSON.parse(pre.textContent).zero_optimization;
   return cfg.stage === stage && (cfg.offload_optimizer || {device: 'none'}).device === offload;
 }"""
-MEASURE_WITHIN_S = 10  # the goal: a stage flip shows new measured bars within 10 seconds
 
 
 def per_rank(state, kind="theory"):
