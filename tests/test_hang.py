@@ -235,6 +235,16 @@ def test_progress_is_cpu_over_the_window_or_output(tmp_path):
     assert watches["burning"].window_cpu[0] > 0.05 * 2
 
 
+def test_ranks_that_have_all_exited_are_not_hung():
+    # Seen in CI: both ranks had finished, the launcher took over 5 s to exit, and the quiet window read as a hang.
+    now, alive, me = [0.0], [True], psutil.Process()
+    watch = hang.ProgressWatch(2, lambda: {0: [me], 1: [me]} if alive[0] else {}, clock=lambda: now[0])
+    assert not watch.stalled()
+    alive[0] = False
+    for now[0] in range(1, 10):
+        assert not watch.stalled()
+
+
 def test_frames_name_the_collective_whoever_issues_it():
     site = "/venv/lib/python3.11/site-packages"
     # frames as py-spy reported them for the two hangs of dslab/recipes/hang_demo.py

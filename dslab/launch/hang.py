@@ -90,6 +90,8 @@ class ProgressWatch:
             return False
         self.ranks = ranks
         self.seen |= set(ranks)
+        if not ranks:   # every rank has exited and the launcher is winding up (slowly on a loaded machine): no hang
+            return False
         for rank, procs in ranks.items():
             for proc in procs:
                 try:
