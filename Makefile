@@ -42,11 +42,13 @@ lab-zh: setup
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
 # Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
-# the exercise checkers'; chapters 00-06; chapters 07-14; the browser tests, then the exercise checkers' tests (their
-# answers run on ranks, one launch per world size). On 2 cores the lanes fill each other's waits (process starts,
-# ranks joining a group) and, split so, end at about the same time.
+# the exercise checkers' and those that mostly wait; chapters 00-06; chapters 07-14; the browser tests, the waiting
+# tests (ranks killed, hangs timed, kernels stopped), then the exercise checkers' tests (their answers run on ranks,
+# one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
+# timeouts) and, split so, end at about the same time.
 UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/test_tools_runs.py
-RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py
+RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_on_ranks_batch.py
+WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 
 test: setup
 	@echo "four lanes side by side (about 22 minutes on 2 cores); each lane's output comes when it ends"
@@ -54,10 +56,10 @@ test: setup
 		test-browser-exercises-lane
 
 test-unit-lane: setup
-	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES))
+	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(WAITING))
 
 test-browser-exercises-lane: setup test-browser-if-chromium
-	$(BIN)/python -m pytest -q --durations=10 $(RANK_EXERCISES)
+	$(BIN)/python -m pytest -q --durations=10 $(WAITING) $(RANK_EXERCISES)
 
 # The quick loop while editing: no multi-rank or otherwise slow test (markers set in conftest.py).
 test-fast: setup

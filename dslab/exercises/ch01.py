@@ -176,7 +176,7 @@ def _divide_by_two(model):
           wrong=((_sum_only, "the sum over the"), (_broadcast_from_rank0, "broadcast"),
                  (_reduce_a_copy, "in place"), (_weights_only, "were not averaged"),
                  (_divide_by_two, "you divided the sum by 2, but the check ran on 3 ranks")),
-          prepare=on_ranks.preparer(TRIAL, draw_case),
+          prepare=on_ranks.preparer(TRIAL, draw_case, diagnose=diagnose_average_gradients),
           hint="write a function average_gradients(model) that, on every rank after loss.backward(), makes each "
                "p.grad the mean over the ranks of that gradient (import torch.distributed inside it).")
 def _check_average_gradients(average_gradients):

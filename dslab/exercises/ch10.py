@@ -231,7 +231,7 @@ def _owners_halves(grads):
                  (_owners_sum, "is the sum over the"),
                  (_owners_all_to_rank0, "lands on its dst only"),
                  (_owners_halves, "values; torch.tensor_split cuts")),
-          prepare=on_ranks.preparer(OWNERS_TRIAL, draw_owners_case),
+          prepare=on_ranks.preparer(OWNERS_TRIAL, draw_owners_case, diagnose=diagnose_owners),
           hint="complete reduce_to_owners(grads): parts = torch.tensor_split(grads, world_size); for each part, "
                "deepspeed.comm.reduce(part, dst=its owner) on every rank; return parts[rank] / world_size.")
 def _check_owners(reduce_to_owners):

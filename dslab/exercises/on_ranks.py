@@ -27,7 +27,7 @@ from dslab.parallel import tensor_parallel
 HANG_TIMEOUT_S = 45     # no rank printing or computing for this long: a collective that not every rank joined
 TIMEOUT_S = 900         # one exercise's answers in a launch (ZeRO-3 with offload on 3 ranks of 2 cores included)
 _DONE = {}              # (trial, world_size, packed answer) -> (case, [result of each rank]): what ran already
-_BATCH = None           # inside batched(): world_size -> {key of an answer to run: its case}
+_BATCH = None           # inside batched(): world_size -> {key of an answer to run: (its case, its judge)}
 
 
 def _key(trial, world_size, packed):
@@ -49,14 +49,17 @@ def cached_case(trial, answer, world_size):
     return done[0] if done else None
 
 
-def run(trial, answers, world_size, case):
+def run(trial, answers, world_size, case, judge=None):
     """[(case, [result of rank 0, 1, ...]) for each answer]: `trial` ("module:function") run on `world_size` launched
-    ranks with each answer, in one launch for all the answers that have not run before (those run with `case`)."""
+    ranks with each answer, in one launch for all the answers that have not run before (those run with `case`).
+
+    judge: (diagnose, the world sizes its checker tries before this one), or None. Within batched(), an answer that
+    diagnose refuses on one of those is not run on this world size: its check stops at the refusal."""
     keys = [_key(trial, world_size, pack(answer)) for answer in answers]
     todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
     if _BATCH is not None:     # noted; batched() runs it
         for key in todo:
-            _BATCH.setdefault(world_size, {}).setdefault(key, case)
+            _BATCH.setdefault(world_size, {}).setdefault(key, (case, judge))
         return None
     if todo:
         _run_together(world_size, {key: case for key in todo})
@@ -73,7 +76,10 @@ def batched():
     try:
         yield
         pending, _BATCH = _BATCH, outer
-        for world_size, cases in sorted(pending.items()):
+        for world_size, notes in sorted(pending.items()):
+            cases = {key: case for key, (case, judge) in notes.items() if not _refused_before(key, judge)}
+            if not cases:
+                continue
             try:
                 _run_together(world_size, cases)
             except Mistake as failed:
@@ -81,6 +87,22 @@ def batched():
                               "each exercise's run in a launch of its own when it is checked")
     finally:
         _BATCH = outer
+
+
+def _refused_before(key, judge):
+    """True when the answer of `key` already ran on a world size its checker tries first, and was refused there."""
+    if judge is None:
+        return False
+    diagnose, earlier = judge
+    for world_size in earlier:
+        done = _DONE.get((key[0], world_size, key[2]))
+        if done is None:
+            continue
+        try:
+            diagnose(done[0], verdicts(done[1]))
+        except Exception:   # a Mistake, the learner's own error, or a check that failed: the check stops there
+            return True
+    return False
 
 
 def _run_together(world_size, cases):
@@ -190,9 +212,10 @@ def _as_in_a_new_process():
 WORLD_SIZES = (2, 3)    # a value that holds on 2 ranks only (a hard-coded "/ 2") fails on 3
 
 
-def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES):
+def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES, diagnose=None):
     """Run every answer that is code and can travel, one launch per world size, so that checking each of them
-    afterwards starts no rank (tests check a solution and its wrong answers this way)."""
+    afterwards starts no rank (tests check a solution and its wrong answers this way). With `diagnose` (the check's),
+    a batch leaves out the runs that check would never look at: those after a world size that refused the answer."""
     fit = []
     for answer in answers:
         try:
@@ -200,13 +223,15 @@ def prepare(trial, answers, draw_case, world_sizes=WORLD_SIZES):
         except Mistake:
             continue
         fit.append(answer)
-    for world_size in world_sizes:
-        run(trial, fit, world_size, draw_case(world_size))
+    for i, world_size in enumerate(world_sizes):
+        judge = (diagnose, world_sizes[:i]) if diagnose is not None else None
+        run(trial, fit, world_size, draw_case(world_size), judge)
 
 
-def preparer(trial, draw_case, world_sizes=WORLD_SIZES):
-    """The `prepare=` of an exercise whose checker runs `trial` on ranks (dslab.exercises.exercise)."""
-    return lambda answers: prepare(trial, [a for a in answers if callable(a)], draw_case, world_sizes)
+def preparer(trial, draw_case, world_sizes=WORLD_SIZES, diagnose=None):
+    """The `prepare=` of an exercise whose checker runs `trial` on ranks (dslab.exercises.exercise); pass the
+    check's `diagnose` so that a batch runs only what the check will read."""
+    return lambda answers: prepare(trial, [a for a in answers if callable(a)], draw_case, world_sizes, diagnose)
 
 
 def check(trial, answer, draw_case, diagnose, world_sizes=WORLD_SIZES, before=None):
