@@ -15,7 +15,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
         test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane test-browser-if-chromium \
-        test-workshop slides bench chromium clean swift llamafactory tool-venvs test-tools
+        test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
 
@@ -46,7 +46,8 @@ lab-zh: setup
 # tests (ranks killed, hangs timed, kernels stopped), then the exercise checkers' tests (their answers run on ranks,
 # one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
 # timeouts) and, split so, end at about the same time.
-UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/test_tools_runs.py
+UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/jupyterhub \
+                  --ignore=tests/test_tools_runs.py
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_on_ranks_batch.py
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 
@@ -74,6 +75,21 @@ test-unit: setup
 # collected into one view. Several minutes on 2 cores: .ci/run runs it after make test.
 test-workshop: setup
 	$(BIN)/python -m pytest -q tests/workshop
+
+# The JupyterHub recipe for a shared server (deploy/jupyterhub; docs/instructor_guide.md, "Running it on JupyterHub"),
+# run for real: the hub's own venv (JupyterHub, JupyterLab, pinned, from PyPI) and configurable-http-proxy (npm,
+# pinned by its package-lock.json) installed into build/jupyterhub by the recipe's own install.sh, then two learners'
+# servers started through the hub, checked in their kernels, stopped, and nothing left (tests/jupyterhub). Needs root
+# and cgroups (skipped with the reason elsewhere). 55 s in all on 2 cores from empty pip and npm caches, the test ~20 s.
+HUB_DIR := build/jupyterhub
+
+$(HUB_DIR)/.installed: $(STAMP) deploy/jupyterhub/install.sh deploy/jupyterhub/requirements.txt \
+		deploy/jupyterhub/package.json deploy/jupyterhub/package-lock.json
+	PYTHON=$(PY) bash deploy/jupyterhub/install.sh . $(HUB_DIR)
+	touch $@
+
+test-jupyterhub: setup $(HUB_DIR)/.installed
+	$(BIN)/python -m pytest -q -rs --durations=3 tests/jupyterhub
 
 # The GPU checks (fp16 loss scaling, nccl, kernel injection, the notebooks on a GPU); each skips on a CPU machine.
 test-gpu: setup
@@ -173,4 +189,4 @@ bench: setup
 	$(BIN)/python benchmarks/course_bench.py
 
 clean:
-	rm -rf $(VENV) $(SWIFT_VENV) $(LF_VENV)
+	rm -rf $(VENV) $(SWIFT_VENV) $(LF_VENV) $(HUB_DIR)

@@ -115,6 +115,7 @@ SLOW = (
     "tests/test_precision.py::test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refused_elsewhere",
     "tests/test_zh_edition.py::test_make_test_notebooks_leaves_zh_out",  # collects the notebooks with nbval
     "tests/browser/",
+    "tests/jupyterhub/",  # a hub and two learners' servers (make test-jupyterhub)
     "tests/gpu/test_gpu.py::test_every_notebook_runs_on_a_gpu",
 )
 
