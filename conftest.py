@@ -40,6 +40,9 @@ MULTIRANK = (
     "tests/test_exercises_parallel.py::test_solution_passes_and_what_it_measures_holds",
     "tests/test_exercises_parallel.py::test_usual_mistakes_are_named",
     "tests/test_exercises_parallel.py::test_a_hard_coded_answer_fails",
+    # the red team's answers of 07, 11 and 12, in the same launches (tests/test_redteam_ranks_a.py)
+    "tests/test_redteam_ranks_a.py::test_wrong_answers_are_refused_naming_the_mistake",
+    "tests/test_redteam_ranks_a.py::test_right_answers_in_unusual_forms_are_accepted",
     "tests/test_comm_bytes.py::test_each_rank_sends_what_deepspeeds_algorithm_predicts",  # these two share one
     "tests/test_comm_bytes.py::test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas",  # 3-rank launch
     "tests/test_comm_bytes.py::test_ddp_no_sync_halves_the_bytes_of_two_micro_steps",

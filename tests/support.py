@@ -1,5 +1,6 @@
 """Helpers several test files share (pytest puts tests/ on sys.path: `from support import ...`)."""
 import contextlib
+import io
 import json
 import os
 import secrets
@@ -137,18 +138,45 @@ _RANK_EXERCISES_RUN = []
 
 
 def run_rank_exercises_together():
-    """Once per test session: the answers tests/test_exercises.py and tests/test_exercises_parallel.py check on ranks,
-    every exercise's, run in one launch per world size (dslab.exercises.on_ranks.batched) instead of one per exercise
-    and world size. Starting ranks (the launcher, torch and DeepSpeed imported on every rank) is most of a launch's
-    time on a small machine: benchmarks/rank_startup.py measures it."""
+    """Once per test session: the answers tests/test_exercises.py, tests/test_exercises_parallel.py,
+    tests/test_redteam_ranks_a.py and tests/test_redteam_ranks_b.py check on ranks, every exercise's, run in one launch
+    per world size (dslab.exercises.on_ranks.batched) instead of one per exercise and world size. Starting ranks (the
+    launcher, torch and DeepSpeed imported on every rank) is most of a launch's time on a small machine:
+    benchmarks/rank_startup.py measures it."""
     if _RANK_EXERCISES_RUN:
         return
     _RANK_EXERCISES_RUN.append(True)
     import test_exercises
     import test_exercises_parallel
+    import test_redteam_ranks_a
+    import test_redteam_ranks_b
 
     from dslab.exercises import on_ranks
 
     with on_ranks.batched():
-        for module in (test_exercises, test_exercises_parallel):
+        for module in (test_exercises, test_exercises_parallel, test_redteam_ranks_a, test_redteam_ranks_b):
             module.prepare_all_on_ranks()
+
+
+# ---------------------------------------------------------------------------------------------- exercise verdicts
+
+def said(exercise_id, answer):
+    """(check's verdict, what it printed)."""
+    from dslab import exercises
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        verdict = exercises.check(exercise_id, answer)
+    return verdict, out.getvalue()
+
+
+def refused(exercise_id, answer, words):
+    """The checker refuses the answer, and its message holds `words`."""
+    verdict, text = said(exercise_id, answer)
+    assert verdict is False and text.startswith("Not quite: "), text
+    assert words in text, f"expected {words!r} in:\n{text}"
+
+
+def accepted(exercise_id, answer):
+    verdict, text = said(exercise_id, answer)
+    assert (verdict, text) == (True, "Correct!\n"), text

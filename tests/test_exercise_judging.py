@@ -24,25 +24,9 @@ import pytest
 from dslab import exercises
 from dslab.exercises import ch02_amp_clip, ch08, ch09
 
+from support import accepted, refused, said
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def said(exercise_id, answer):
-    """(check's verdict, what it printed)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        verdict = exercises.check(exercise_id, answer)
-    return verdict, out.getvalue()
-
-
-def refused(exercise_id, answer, words):
-    verdict, text = said(exercise_id, answer)
-    assert verdict is False and text.startswith("Not quite: "), text
-    assert words in text, f"expected {words!r} in:\n{text}"
-
-
-def accepted(exercise_id, answer):
-    assert said(exercise_id, answer) == (True, "Correct!\n"), answer
 
 
 def solution(chapter, exercise_id):

@@ -65,3 +65,16 @@ def test_only_the_world_sizes_the_checker_tries_first_count(launches):
     with on_ranks.batched():
         on_ranks.prepare(TRIAL, [wrong], draw_case, world_sizes=(4, 3), diagnose=diagnose)
     assert launches == [(3, ["wrong"]), (4, ["wrong"])]
+
+
+def test_preparing_again_after_the_batch_starts_no_rank_for_what_the_check_will_not_read(launches):
+    # the tests prepare each exercise once more after the batch, for what a failed batch left out
+    with on_ranks.batched():
+        on_ranks.prepare(TRIAL, [right, wrong], draw_case, diagnose=diagnose)
+    on_ranks.prepare(TRIAL, [right, wrong], draw_case, diagnose=diagnose)
+    assert launches == [(2, ["right", "wrong"]), (3, ["right"])]
+
+
+def test_outside_a_batch_a_refusal_on_two_ranks_is_not_run_on_three(launches):
+    on_ranks.prepare(TRIAL, [right, wrong], draw_case, diagnose=diagnose)
+    assert launches == [(2, ["right", "wrong"]), (3, ["right"])]

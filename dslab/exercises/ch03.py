@@ -30,16 +30,81 @@ def _draw_window(rng=None, ks=(3, 5, 6), rows=(2,)):
             "seed": rng.randrange(1 << 30)}
 
 
-def _window_grads(fn, window, lengths=None):
-    """Gradients `fn(model, micro_batches)` leaves over a window of window["k"] micro-batches, and the big batch's."""
+class _Passes:
+    """What a loop does with the model, seen from the model: the rows of each forward pass that autograd records,
+    and how many of those forwards each backward pass reaches (the same graph task: one backward call)."""
+
+    def __init__(self, model):
+        self.rows, self.reached = [], {}
+        self._handle = model.register_forward_hook(self._forward, with_kwargs=True)
+
+    def _forward(self, module, args, kwargs, output):
+        import torch
+
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = getattr(output, "logits", None)
+        if not torch.is_grad_enabled() or not torch.is_tensor(ids) or logits is None or not logits.requires_grad:
+            return
+        self.rows.append(int(ids.shape[0]))
+        logits.register_hook(self._backward)
+
+    def _backward(self, grad):
+        import torch
+
+        task = torch._C._current_graph_task_id()
+        self.reached[task] = self.reached.get(task, 0) + 1
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _window_grads(fn, window, lengths=None, passes=None):
+    """Gradients `fn(model, micro_batches)` leaves over a window of window["k"] micro-batches, and the big batch's;
+    `passes` (a list) receives what _Passes saw of fn's forward and backward passes."""
     model = small_lm(seed=0)
     batch = token_batch(window["k"] * window["rows"], window["seq_len"], model.config.vocab_size, lengths=lengths,
                         seed=window["seed"])
     big_batch_backward(model, batch)
     want = grads(model)
     model.zero_grad(set_to_none=True)
-    fn(model, split(batch, window["k"]))
+    seen = _Passes(model)
+    try:
+        fn(model, split(batch, window["k"]))
+    finally:
+        seen.remove()
+    if passes is not None:
+        passes.append(seen)
     return grads(model), want
+
+
+def _no_accumulation(seen, window):
+    """The Mistake of a loop that does not accumulate: one forward over more rows than a micro-batch holds (the
+    micro-batches concatenated), or one backward through several micro-batches' graphs (their losses summed first).
+    Either holds the big batch's activations at once, what accumulation exists to avoid, whatever the gradient."""
+    k, rows = window["k"], window["rows"]
+    if seen.rows and max(seen.rows) > rows:
+        return Mistake(f"no accumulation: one forward pass over {max(seen.rows)} rows, but each of the {k} "
+                       f"micro-batches holds {rows}. Concatenated micro-batches are the big batch itself, with its "
+                       "activation memory, which is what accumulation avoids. Run forward and backward on each "
+                       "micro-batch in turn, each loss / len(micro_batches)")
+    if seen.reached and max(seen.reached.values()) > 1:
+        return Mistake(f"one backward through {max(seen.reached.values())} micro-batches: their losses were added "
+                       "up and back-propagated once, which keeps every micro-batch's graph (its activations) alive "
+                       "until then, the memory of the big batch that accumulation avoids. Call backward on each "
+                       "micro-batch's loss / len(micro_batches) as soon as it is computed")
+    return None
+
+
+def _concatenated(model, micro_batches):
+    import torch
+
+    window = {key: torch.cat([mb[key] for mb in micro_batches]) for key in micro_batches[0]}
+    model(**window).loss.backward()                 # the big batch itself: no accumulation
+
+
+def _summed_then_backward(model, micro_batches):
+    total = sum(model(**mb).loss for mb in micro_batches) / len(micro_batches)
+    total.backward()                                # one backward: every micro-batch's graph alive until here
 
 
 def _sum_losses(model, micro_batches):
@@ -86,7 +151,9 @@ def _multiple_of_reference(got, want):
 
 @exercise("03.fix_loop",
           wrong=((_sum_losses, "you summed"), (_divide_by_rows, "not by the rows or tokens"),
-                 (_zero_grad_each_time, "zero_grad() inside the loop"), (_divide_by_four, "you divided by 4")),
+                 (_zero_grad_each_time, "zero_grad() inside the loop"), (_divide_by_four, "you divided by 4"),
+                 (_concatenated, "no accumulation: one forward pass over"),
+                 (_summed_then_backward, "one backward through")),
           hint="write fn(model, micro_batches) that runs forward and backward on each micro-batch so the "
                "summed .grad equals the big batch's: what must each micro-batch's loss be divided by?")
 def _check_fix_loop(fn):
@@ -94,9 +161,13 @@ def _check_fix_loop(fn):
         raise Mistake("answer with the function itself: answer = my_loop")
     window = _draw_window()
     k = window["k"]
-    got, want = _window_grads(fn, window)
+    passes = []
+    got, want = _window_grads(fn, window, passes=passes)
     if not got:
         raise Mistake("no parameter has a gradient: call backward() on each micro-batch's loss")
+    mistake = _no_accumulation(passes[0], window)
+    if mistake is not None:
+        raise mistake
     if set(got) == set(want) and equivalent(got, want):
         return True
     s = _multiple_of_reference(got, want) if set(got) == set(want) else None
@@ -165,8 +236,9 @@ def _check_token_loss(fn):
 
 
 # 03.engine_loop: the learner writes make_model, make_config and train (dslab/exercises/engine_loop.py says how they
-# are called); the checker runs them on 2 and 3 launched ranks and compares the weights with plain PyTorch. The wrong
-# answers below are the right three functions with one mistake each.
+# are called); the checker runs them on 2 and 3 launched ranks and compares the gradient at each accumulation boundary
+# and the weights with plain PyTorch. The wrong answers below are the right three functions with one mistake each
+# (loss.backward() is one only at ZeRO stage 0: at stages 1-3 DeepSpeed hooks the engine's output and it is right).
 def _config_without_accumulation(micro_batch_size, grad_accum_steps, world_size, lr):
     # one micro-batch per optimizer step
     return loops.config(micro_batch_size, 1, world_size, lr, gradient_accumulation_steps=None)
@@ -185,6 +257,10 @@ def _config_clipping_by_default(micro_batch_size, grad_accum_steps, world_size, 
     return loops.config(micro_batch_size, grad_accum_steps, world_size, lr, gradient_clipping=None)  # 1.0
 
 
+def _config_zero0(micro_batch_size, grad_accum_steps, world_size, lr):
+    return loops.config(micro_batch_size, grad_accum_steps, world_size, lr, zero={"stage": 0})
+
+
 _RIGHT = (loops.small_model, loops.config)
 ENGINE_LOOP_WRONG = (
     ((loops.small_model, _config_without_accumulation, loops.train), "no accumulation boundary"),
@@ -193,7 +269,8 @@ ENGINE_LOOP_WRONG = (
     ((*_RIGHT, loops.with_mistake("zero_grad")), "zero_grad fighting the engine"),
     ((loops.small_model, _config_for_two_ranks, loops.train), "takes the world size as 2"),
     ((loops.small_model, _config_without_world, loops.train), "leaves out the world size"),
-    ((*_RIGHT, loops.with_mistake("loss.backward")), "engine.backward was never called"),
+    ((loops.small_model, _config_zero0, loops.with_mistake("loss.backward")), "loss.backward() at ZeRO stage 0"),
+    ((*_RIGHT, loops.with_mistake("no gas scaling")), "engine.backward(loss, scale_wrt_gas=False) does not divide"),
     ((*_RIGHT, loops.with_mistake("step at boundary")), "call it after every micro-batch"),
     ((loops.small_model, _config_clipping_by_default, loops.train), "gradient_clipping is 1.0"),
 )

@@ -1,4 +1,4 @@
-"""Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call checked on 2 ranks.
+"""Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call checked on 2 and 3 ranks.
 
 Solutions: notebooks/solutions/07_solutions.py."""
 from dslab.exercises import Mistake, exercise, expect, on_ranks
@@ -28,11 +28,16 @@ WRONG_INIT_INFERENCE = (
     (_wrong_init_inference(), "torch.float16"),                                 # dtype defaults to fp16
     (_wrong_init_inference(dtype="bfloat16", tensor_parallel={"tp_size": 2}), "torch.bfloat16"),
     (_wrong_init_inference(dtype="float32"), "each of the 2 ranks holds the whole model"),       # tp_size 1
+    (_wrong_init_inference(dtype="float32", tensor_parallel={"tp_size": 2}), "tp_size is 2, but the job has 3 ranks"),
     (_wrong_init_inference(dtype="float32", tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True),
      "replace_with_kernel_inject=True"),
     (_whole_model, "return the InferenceEngine"),
 )
 TRIAL = "dslab.exercises.ch07:init_inference_trial"
+# The job's ranks: 2 as in the chapter, then 3, where a tp_size of 2 typed in is refused. On 3, AutoTP splits
+# dslab-tiny's 2 key-value heads 1, 1 and 0 (the third rank holds no attention: q_proj [0, 256]), and the engine's
+# answer is still Hugging Face's.
+WORLD_SIZES = (2, 3)
 QUESTIONS = ("Who are you?", "What is the capital of France?", "你是谁？", "Tell me something about the sea.",
              "What can you do?", "今天天气怎么样？")
 
@@ -45,6 +50,26 @@ def draw_case(world_size, rng=None):
     return {"question": rng.choice(QUESTIONS), "new_tokens": rng.randint(8, 16)}
 
 
+def _checked_engine_init(original, world_size):
+    """InferenceEngine.__init__ as the trial runs it: a tp_size other than the job's ranks is named on every rank
+    before DeepSpeed builds its group. DeepSpeed 0.19.8 (inference/engine.py, _create_model_parallel_group) makes the
+    group of ranks 0 .. tp_size - 1: a rank outside it fails to shard the layers (tp_size -1, "AutoTP shard sizes []
+    ... do not sum") while the others wait for it in a collective."""
+    import functools
+
+    @functools.wraps(original)
+    def __init__(self, model, config):
+        tp_size = config.tensor_parallel.tp_size
+        if tp_size > 1 and tp_size != world_size and config.tensor_parallel.mpu is None:
+            raise Mistake(f"tensor_parallel's tp_size is {tp_size}, but the job has {world_size} ranks: the checker "
+                          "runs your function on 2 and then 3 ranks, and AutoTP must split the model over all of them. "
+                          "Read the size from the job, tensor_parallel={\"tp_size\": "
+                          "torch.distributed.get_world_size()}, not a number typed in")
+        original(self, model, config)
+
+    return __init__
+
+
 def init_inference_trial(make_engine, case):
     """On each rank: the learner's `make_engine(model)` on dslab-tiny, its greedy answer and logits against plain
     Hugging Face generation in float32, and whether AutoTP split the layers over the ranks."""
@@ -53,10 +78,17 @@ def init_inference_trial(make_engine, case):
     import torch
     import torch.distributed as torch_dist
     from deepspeed.inference.engine import InferenceEngine
+    from deepspeed.module_inject.layers import set_autotp_mode
 
     from dslab.models import infer, loading
 
     world_size = torch_dist.get_world_size()
+    # What an earlier exercise's engine left in this process (the checks of a test session share their ranks): DeepSpeed
+    # keeps the first inference engine's tensor-parallel group (InferenceEngine.inference_mp_group) and gives it to
+    # every later one, and an AutoTP training engine switches AutoTP to training mode for good (module_inject/layers.py,
+    # set_autotp_mode), in which init_inference takes the training groups instead of making its own.
+    InferenceEngine.inference_mp_group = None
+    set_autotp_mode(training=False)
     tokenizer, model = loading.load_tokenizer(), loading.load_model().eval()
     ids = tokenizer(infer.prompt_text(tokenizer, case["question"], chat=True), return_tensors="pt")
     settings = dict(max_new_tokens=case["new_tokens"], do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -64,6 +96,8 @@ def init_inference_trial(make_engine, case):
         expected = model.generate(**ids, **settings)
         expected_logits = model(**ids).logits
     whole = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
+    original = InferenceEngine.__init__
+    InferenceEngine.__init__ = _checked_engine_init(original, world_size)
     try:
         engine = make_engine(copy.deepcopy(model))
     except ValueError as err:
@@ -71,6 +105,8 @@ def init_inference_trial(make_engine, case):
             raise Mistake(f"DeepSpeed says: {err}. init_inference's dtype defaults to torch.float16, which the CPU "
                           "accelerator refuses: pass dtype=torch.float32") from None
         raise
+    finally:
+        InferenceEngine.__init__ = original
     if not isinstance(engine, InferenceEngine):
         raise Mistake(f"that returned a {type(engine).__name__}: return the InferenceEngine that "
                       "deepspeed.init_inference(model, ...) gives back")
@@ -101,11 +137,11 @@ def _nothing_more(case, results):
 
 
 def check_init_inference(make_engine):
-    """Run the learner's `make_engine(model)` on 2 launched ranks (a question drawn now) and compare the engine's greedy
-    answer and logits with plain Hugging Face generation in float32; name what is wrong."""
+    """Run the learner's `make_engine(model)` on 2, then 3 launched ranks (a question drawn now) and compare the
+    engine's greedy answer and logits with plain Hugging Face generation in float32; name what is wrong."""
     if not callable(make_engine):
         raise Mistake("answer with the function itself: answer = make_engine")
-    return on_ranks.check(TRIAL, make_engine, draw_case, _nothing_more, world_sizes=(2,))
+    return on_ranks.check(TRIAL, make_engine, draw_case, _nothing_more, world_sizes=WORLD_SIZES)
 
 
 # dslab-tiny: 4 blocks, each with one all-reduce after o_proj and one after down_proj (AutoTP).
@@ -129,4 +165,4 @@ expect("07.v_proj_shard", [64, 256],
             "so each of the 2 ranks keeps half of the rows.")
 exercise("07.init_inference", hint="make_engine(model) must return deepspeed.init_inference(model, ...)",
          wrong=WRONG_INIT_INFERENCE,
-         prepare=on_ranks.preparer(TRIAL, draw_case, world_sizes=(2,)))(check_init_inference)
+         prepare=on_ranks.preparer(TRIAL, draw_case, WORLD_SIZES, _nothing_more))(check_init_inference)

@@ -1,7 +1,10 @@
 """Exercise 11.pipeline: the learner writes train_pipeline(shape, steps), dslab-tiny's pieces as LayerSpecs in a
 PipelineModule of one stage per rank, its ds_config and a train_batch loop; the checker runs it on 2 and 3 launched
-ranks (dslab.exercises.on_ranks) with shapes, micro-batch counts and data drawn at check time, and compares it with the
-same layers trained in one process. Registered when dslab.exercises.ch11 imports it.
+ranks (dslab.exercises.on_ranks) with shapes, micro-batch counts and data drawn at check time. It judges the work on
+the ranks, not only the losses returned: the PipelineEngine must have stepped once per step (engine.global_steps, the
+train_batch calls the trial saw), the losses must be what train_batch returned, and both they and each stage's weights
+after training must be those of the same layers trained in one process, which every rank computes itself.
+Registered when dslab.exercises.ch11 imports it.
 """
 from dslab.exercises import Mistake, exercise, on_ranks
 
@@ -47,20 +50,65 @@ def pipeline_steps(case):
              for _ in range(case["micro_batches"])] for _ in range(case["steps"])]
 
 
-def pipeline_reference(case):
-    """The case trained in one process, plain PyTorch: the same layers, seeded as PipelineModule(seed_layers=True)
-    seeds them, each micro-batch's loss / m backward, one AdamW step per step. (per-step losses, parameter count)."""
+def pipeline_specs(case):
+    """The case's layers as LayerSpecs, in order: Embed, shape["blocks"] Blocks, Head."""
     from deepspeed.pipe import LayerSpec
 
     from dslab.parallel import pipeline
 
     s = case["shape"]
-    specs = [LayerSpec(pipeline.Embed, s["vocab"], s["hidden"]),
-             *[LayerSpec(pipeline.Block, s["hidden"], s["intermediate"]) for _ in range(s["blocks"])],
-             LayerSpec(pipeline.Head, s["hidden"], s["vocab"])]
-    twin = pipeline.sequential_twin(specs)
+    return [LayerSpec(pipeline.Embed, s["vocab"], s["hidden"]),
+            *[LayerSpec(pipeline.Block, s["hidden"], s["intermediate"]) for _ in range(s["blocks"])],
+            LayerSpec(pipeline.Head, s["hidden"], s["vocab"])]
+
+
+def pipeline_reference(case):
+    """The case trained in one process, plain PyTorch: the same layers, seeded as PipelineModule(seed_layers=True)
+    seeds them, each micro-batch's loss / m backward, one AdamW step per step. (per-step losses, the layers before
+    training, the layers after it: torch.nn.Sequential, layer i the pipeline's layer i)."""
+    from dslab.parallel import pipeline
+
+    before = pipeline.sequential_twin(pipeline_specs(case))
+    twin = pipeline.sequential_twin(pipeline_specs(case))
     steps = [[(tokens, tokens) for tokens in micro] for micro in pipeline_steps(case)]
-    return pipeline.train_one_process(twin, steps, lr=PIPELINE_LR), sum(p.numel() for p in twin.parameters())
+    return pipeline.train_one_process(twin, steps, lr=PIPELINE_LR), before, twin
+
+
+def weight_distances(triples):
+    """How far a rank's weights are from one process's after training ("off") and from where they started ("moved"),
+    over (weight, the same weight trained in one process, it before training) triples: the largest |difference| and
+    its mean over every element."""
+    import torch
+
+    off = moved = off_sum = moved_sum = 0.0
+    count = 0
+    with torch.no_grad():
+        for weight, trained, initial in triples:
+            to_trained = (weight.detach().float() - trained.float()).abs()
+            to_initial = (weight.detach().float() - initial.float()).abs()
+            off, moved = max(off, to_trained.max().item()), max(moved, to_initial.max().item())
+            off_sum, moved_sum = off_sum + to_trained.sum().item(), moved_sum + to_initial.sum().item()
+            count += weight.numel()
+    count = max(count, 1)
+    return {"off": off, "off_mean": off_sum / count, "moved": moved, "moved_mean": moved_sum / count}
+
+
+def stage_against_twin(net, before, after):
+    """weight_distances of the layers this rank's stage of the learner's PipelineModule holds, against the same layers
+    of the one-process twin (layer i of the stage is the twin's layer _local_start + i); None where the stage's layers
+    are not the twin's."""
+    import torch
+
+    triples = []
+    for i, layer in enumerate(net.forward_funcs):
+        index = net._local_start + i
+        if not isinstance(layer, torch.nn.Module) or index >= len(after):
+            return None
+        mine, trained, initial = (dict(m.named_parameters()) for m in (layer, after[index], before[index]))
+        if set(mine) != set(trained) or any(mine[k].shape != trained[k].shape for k in mine):
+            return None
+        triples += [(weight, trained[name], initial[name]) for name, weight in mine.items()]
+    return weight_distances(triples)
 
 
 PIPELINE_REFUSALS = (  # DeepSpeed's words for the usual mistakes, and what the mistake is
@@ -78,10 +126,11 @@ PIPELINE_REFUSALS = (  # DeepSpeed's words for the usual mistakes, and what the 
 )
 
 
-def _checked_train_batch(original):
+def _checked_train_batch(original, ran):
     """engine.train_batch as the trial runs it: it takes the step's micro-batches from the learner's iterator first
     and checks them on every rank, so that a mistake there is named on all ranks at once instead of stopping one
-    stage while the others wait for its activations (which would hang)."""
+    stage while the others wait for its activations (which would hang). Each call that ran appends the loss it
+    returned to `ran`: what the engine itself computed, to hold the learner's losses against."""
     import functools
     import itertools
 
@@ -102,7 +151,9 @@ def _checked_train_batch(original):
         if not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in taken):
             raise Mistake("train_batch's iterator must yield (inputs, labels) pairs, here (tokens, tokens): the first "
                           "stage reads the inputs, the last one the labels")
-        return original(self, iter(taken), *args, **kwargs)
+        loss = original(self, iter(taken), *args, **kwargs)
+        ran.append(float(loss))
+        return loss
 
     return train_batch
 
@@ -118,8 +169,8 @@ def pipeline_trial(train_pipeline, case):
     from dslab.parallel import tensor_parallel
 
     tensor_parallel.forget_groups()   # an earlier answer's grid (this process ran it) is not this one's
-    original = PipelineEngine.train_batch
-    PipelineEngine.train_batch = _checked_train_batch(original)
+    original, ran = PipelineEngine.train_batch, []
+    PipelineEngine.train_batch = _checked_train_batch(original, ran)
     try:
         out = train_pipeline(dict(case["shape"]), pipeline_steps(case))
     except Exception as exc:   # DeepSpeed's refusals of the usual mistakes are named; the rest is the learner's error
@@ -129,7 +180,7 @@ def pipeline_trial(train_pipeline, case):
         raise mistake from None
     finally:
         PipelineEngine.train_batch = original
-    if not (isinstance(out, tuple) and len(out) == 2):
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise Mistake(f"return (engine, losses); your function returned {type(out).__name__}")
     engine, losses = out
     if not isinstance(engine, PipelineEngine):
@@ -143,11 +194,23 @@ def pipeline_trial(train_pipeline, case):
              "all_layers": len(net._layer_specs), "specs": all(isinstance(s, LayerSpec) for s in net._layer_specs),
              "accumulation": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
              "clipping": engine.gradient_clipping(), "lr": group.get("lr"), "weight_decay": group.get("weight_decay"),
-             "loss_fn": getattr(net.loss_fn, "__name__", type(net.loss_fn).__name__)}
+             "loss_fn": getattr(net.loss_fn, "__name__", type(net.loss_fn).__name__),
+             "global_steps": engine.global_steps, "train_batch": ran}
     assert isinstance(net, PipelineModule)
+    reference, before, after = pipeline_reference(case)   # on every rank: each compares the layers it holds
+    found["weights"] = stage_against_twin(net, before, after)
     if torch.distributed.get_rank() == 0:
-        found["reference"], found["whole"] = pipeline_reference(case)
+        found["reference"], found["whole"] = reference, sum(p.numel() for p in after.parameters())
     return found
+
+
+# The mean |difference| allowed between a rank's weights after training and one process's: lr / 100. AdamW moves
+# every weight that has a gradient by about lr per step whatever its size, so training that differs (other data, an
+# update more or less) is off by a good part of lr on average (one optimizer step too many: 3e-4 measured); the same
+# training is off by nothing (the pipeline: the same operations in the same order, measured 0.0) or by rounding
+# (AutoTP: measured under 1e-9 on average, 1e-6 at most).
+# The mean, not the largest: a weight whose gradient is nearly 0 can take AdamW's step either way on rounding alone.
+WEIGHT_TOLERANCE = 1e-5
 
 
 def _close(a, b, rel=1e-6):
@@ -186,9 +249,19 @@ def diagnose_pipeline(case, results):
         raise Mistake(f"the optimizer runs with lr {first['lr']} and weight_decay {first['weight_decay']}: AdamW "
                       f"with lr {PIPELINE_LR} and weight_decay 0.0 (torch's AdamW defaults to 0.01)")
     for rank, r in enumerate(results):
+        if r["global_steps"] != case["steps"] or len(r["train_batch"]) != case["steps"]:
+            raise Mistake(f"engine.train_batch ran {len(r['train_batch'])} times on rank {rank} (engine.global_steps: "
+                          f"{r['global_steps']}), but the case has {case['steps']} steps ({what}): train the engine, "
+                          "one engine.train_batch per step. Losses computed beside it (a one-process copy, "
+                          "pipeline.train_one_process) are not what the engine did")
+    for rank, r in enumerate(results):
         if not isinstance(r["losses"], list) or len(r["losses"]) != case["steps"]:
             raise Mistake(f"rank {rank} returned {r['losses']!r} as the losses: one number per step, "
                           f"{case['steps']} steps here (what each train_batch returns, .item())")
+        if not all(_close(a, b) for a, b in zip(r["losses"], r["train_batch"])):
+            raise Mistake(f"rank {rank} returned the losses {[round(x, 6) for x in r['losses']]}, but its "
+                          f"engine.train_batch calls returned {[round(x, 6) for x in r['train_batch']]}: return what "
+                          "train_batch returns, one .item() per step")
     got, reference = first["losses"], first["reference"]
     if any(r["losses"] != got for r in results):
         raise Mistake("the stages returned different losses: return what train_batch returns, the step's mean loss, "
@@ -203,10 +276,23 @@ def diagnose_pipeline(case, results):
     held = sum(r["params"] for r in results)
     if held != first["whole"]:
         raise Mistake(f"the stages hold {held:,} parameters together; the model has {first['whole']:,}")
+    for rank, r in enumerate(results):
+        w = r["weights"]
+        if w is None:
+            raise Mistake(f"rank {rank}'s stage holds layers that are not the case's Embed, Blocks and Head, built "
+                          f"from LayerSpecs ({what})")
+        if w["moved"] == 0.0:
+            raise Mistake(f"rank {rank}'s stage still holds the weights it was built with ({what}): the engine's "
+                          "optimizer never updated them")
+        if w["off_mean"] > WEIGHT_TOLERANCE:
+            raise Mistake(f"after training, rank {rank}'s weights differ from the same layers trained in one process "
+                          f"by up to {w['off']:.2g} (mean {w['off_mean']:.2g}; training moved them by up to "
+                          f"{w['moved']:.2g}) ({what}): the losses agree, so the update differs (the optimizer, its "
+                          "settings or the number of steps)")
 
 
 def _pipeline_answer(shape, steps, num_stages=None, batch_ranks=False, accumulation=None, pairs=True, built=False,
-                     loss=True, partition="uniform", blocks=None):
+                     loss=True, partition="uniform", blocks=None, trained=True):
     """train_pipeline as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
     import deepspeed
     import torch
@@ -231,6 +317,9 @@ def _pipeline_answer(shape, steps, num_stages=None, batch_ranks=False, accumulat
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
                  "gradient_clipping": 0.0, "steps_per_print": 10**6}
     engine, *_ = deepspeed.initialize(model=net, config=ds_config)
+    if not trained:   # the same layers trained in one process: the numbers the engine would give, not its work
+        twin = pipeline.sequential_twin(specs)
+        return engine, pipeline.train_one_process(twin, [[(t, t) for t in micro] for micro in steps], lr=1e-3)
     losses = []
     for micro_batches in steps:
         data = [(t, t) for t in micro_batches] if pairs else list(micro_batches)
@@ -270,6 +359,10 @@ def _pipeline_four_blocks(shape, steps):
     return _pipeline_answer(shape, steps, blocks=4)           # the chapter's 4 blocks, typed in
 
 
+def _pipeline_one_process_losses(shape, steps):
+    return _pipeline_answer(shape, steps, trained=False)      # an engine, and pipeline.train_one_process's losses
+
+
 def _pipeline_engine_loop(shape, steps):
     import deepspeed
     import torch
@@ -302,8 +395,9 @@ def _pipeline_engine_loop(shape, steps):
                  (_pipeline_no_loss, "no loss_fn"),
                  (_pipeline_default_partition, "partition_method is left at its default"),
                  (_pipeline_four_blocks, "Blocks; the case"),
+                 (_pipeline_one_process_losses, "engine.train_batch ran 0 times"),
                  (_pipeline_engine_loop, "trains only through engine.train_batch")),
-          prepare=on_ranks.preparer(PIPELINE_TRIAL, draw_pipeline_case),
+          prepare=on_ranks.preparer(PIPELINE_TRIAL, draw_pipeline_case, diagnose=diagnose_pipeline),
           hint="complete train_pipeline(shape, steps): LayerSpecs of pipeline.Embed, shape[\"blocks\"] x "
                "pipeline.Block and pipeline.Head; PipelineModule with one stage per rank, loss_fn=pipeline.lm_loss, "
                "partition_method=\"uniform\", seed_layers=True, base_seed=pipeline.BASE_SEED; a ds_config whose micro "

@@ -1,10 +1,13 @@
 """Exercise 11.tensor_data: the learner writes train_tensor_data(model, autotp_size, steps), AutoTP training
 ("tensor_parallel": {"autotp_size": T}, ZeRO-1) as tensor x data parallel, with the grid read from DeepSpeed's groups;
 the checker runs it on 4 and 3 launched ranks (dslab.exercises.on_ranks) with a small Qwen2 model and batches drawn at
-check time, and compares each replica's losses with one process. Registered when dslab.exercises.ch11 imports it.
+check time. It judges the work on the ranks, not only the losses returned: the engine must be DeepSpeed's, split in
+the asked autotp_size, and must have stepped once per step (engine.global_steps); each replica's losses, and the slices
+of the weights each rank holds after training, must be those of one process averaging the replicas' gradients, which
+every rank computes itself. Registered when dslab.exercises.ch11 imports it.
 """
 from dslab.exercises import Mistake, exercise, on_ranks
-from dslab.exercises.ch11_pipeline import known_refusal
+from dslab.exercises.ch11_pipeline import WEIGHT_TOLERANCE, known_refusal, weight_distances
 
 
 # 11.tensor_data: train_tensor_data(model, autotp_size, steps): the AutoTP ds_config ("tensor_parallel":
@@ -64,12 +67,38 @@ TENSOR_DATA_REFUSALS = (
 )
 
 
+def replica_against_one_process(module, before, after):
+    """weight_distances of the weights this rank holds of the learner's AutoTP model, against the same slices of one
+    process's model: a split weight is compared with the slice DeepSpeed's layer keeps (its _partition_sizes, at its
+    tp_index). None where a weight has no counterpart."""
+    trained, initial = dict(after.named_parameters()), dict(before.named_parameters())
+    triples = []
+    for name, weight in module.named_parameters():
+        if name not in trained:
+            return None
+        pair = []
+        for whole in (trained[name], initial[name]):
+            if whole.shape != weight.shape:
+                owner = module.get_submodule(name.rpartition(".")[0])
+                sizes, index = getattr(owner, "_partition_sizes", None), getattr(owner, "tp_index", None)
+                dims = [d for d in range(whole.dim()) if whole.shape[d] != weight.shape[d]]
+                if sizes is None or index is None or len(dims) != 1 or sum(sizes) != whole.shape[dims[0]]:
+                    return None
+                whole = whole.split(list(sizes), dim=dims[0])[index]
+                if whole.shape != weight.shape:
+                    return None
+            pair.append(whole)
+        triples.append((weight, *pair))
+    return weight_distances(triples)
+
+
 def tensor_data_trial(train_tensor_data, case):
     """On every rank: the learner's train_tensor_data on the case; the grid, the shards and the losses it gave."""
     import copy
 
     import torch
     import torch.distributed as torch_dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.utils import groups
 
     from dslab.parallel import tensor_parallel
@@ -84,9 +113,11 @@ def tensor_data_trial(train_tensor_data, case):
         if mistake is None:
             raise
         raise mistake from None
-    if not (isinstance(out, tuple) and len(out) == 3):
+    if not (isinstance(out, (tuple, list)) and len(out) == 3):
         raise Mistake(f"return (engine, layout, losses); your function returned {type(out).__name__}")
     engine, layout, losses = out
+    if not isinstance(engine, DeepSpeedEngine):
+        raise Mistake(f"the engine is a {type(engine).__name__}: return the engine deepspeed.initialize gives back")
     tp = engine.autotp_size()
     if tp != case["autotp_size"]:   # the grid below would not be the one asked for: said at once, on every rank
         raise Mistake(f"the engine's autotp_size is {tp}, the check asked for {case['autotp_size']} on "
@@ -99,7 +130,8 @@ def tensor_data_trial(train_tensor_data, case):
              "lr": group.get("lr"), "weight_decay": group.get("weight_decay"),
              "layout": {str(k): [int(r) for r in v] for k, v in layout.items()} if isinstance(layout, dict) else
              repr(layout)[:80],
-             "losses": [float(x) for x in losses] if isinstance(losses, (list, tuple)) else repr(losses)[:80]}
+             "losses": [float(x) for x in losses] if isinstance(losses, (list, tuple)) else repr(losses)[:80],
+             "global_steps": engine.global_steps}
     if tp > 1:
         found["deepspeed"] = {"tensor_parallel": sorted(torch_dist.get_process_group_ranks(
                                   groups.get_tensor_model_parallel_group())),
@@ -108,8 +140,11 @@ def tensor_data_trial(train_tensor_data, case):
                               "dp_rank": groups.get_data_parallel_rank()}
         census = tensor_parallel.shard_census(engine.module)
         found["census"] = {k: v for k, v in census.items() if k != "layers"}
+    alone = copy.deepcopy(model)   # on every rank: each compares the slices it holds
+    reference = tensor_parallel.train_one_process(alone, steps, lr=TENSOR_DATA_LR)
+    found["weights"] = replica_against_one_process(engine.module, model, alone)
     if torch.distributed.get_rank() == 0:
-        found["reference"] = tensor_parallel.train_one_process(copy.deepcopy(model), steps, lr=TENSOR_DATA_LR)
+        found["reference"] = reference
     tensor_parallel.forget_groups()
     return found
 
@@ -142,6 +177,12 @@ def diagnose_tensor_data(case, results):
                               f"DeepSpeed put it in {ds[kind]} ({what}): read the groups from deepspeed.utils.groups "
                               "(get_tensor_model_parallel_group, get_data_parallel_group) with "
                               "torch.distributed.get_process_group_ranks")
+    for rank, r in enumerate(results):
+        if r["global_steps"] != case["steps"]:
+            raise Mistake(f"the engine took {r['global_steps']} optimizer steps on rank {rank} (engine.global_steps) "
+                          f"for the case's {case['steps']} steps ({what}): train the engine, engine.backward and "
+                          "engine.step once per step. Losses computed beside it (a one-process copy, "
+                          "tensor_parallel.train_one_process) are not what the engine did")
     reference = first["reference"]
     for rank, r in enumerate(results):
         if not isinstance(r["losses"], list) or len(r["losses"]) != case["steps"]:
@@ -162,16 +203,33 @@ def diagnose_tensor_data(case, results):
             raise Mistake(f"rank {rank} (replica {replica}) has losses {[round(x, 5) for x in r['losses']]}; one "
                           f"process averaging the replicas' gradients gives {[round(x, 5) for x in want]} for that "
                           f"replica ({what}): {why}")
+    for rank, r in enumerate(results):
+        w = r["weights"]
+        if w is None:
+            raise Mistake(f"rank {rank}'s engine holds weights the case's model does not have ({what}): train the "
+                          "model the function is given")
+        if w["moved"] == 0.0:
+            raise Mistake(f"rank {rank}'s engine still holds the weights it started with ({what}): the optimizer "
+                          "never updated them")
+        if w["off_mean"] > WEIGHT_TOLERANCE:
+            raise Mistake(f"after training, the slices rank {rank} holds differ from the same slices of one "
+                          f"process's model by {w['off_mean']:.2g} on average (up to {w['off']:.2g}; training moved "
+                          f"them by up to {w['moved']:.2g}) ({what}): the losses agree, so the update differs")
 
 
 def _tensor_data_answer(model, autotp_size, steps, pick="data", batch="world", key="autotp_size", zero=1,
-                        layout_by_hand=False, size=None):
+                        layout_by_hand=False, size=None, trained=True):
     """train_tensor_data as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
+    import copy
+
     import deepspeed
     import torch
     from deepspeed.utils import groups
 
+    from dslab.parallel import tensor_parallel
+
     world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    alone = None if trained else copy.deepcopy(model)   # before deepspeed.initialize splits the model
     rows = steps[0][0].shape[0]
     replicas = world_size // autotp_size
     ds_config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
@@ -197,6 +255,8 @@ def _tensor_data_answer(model, autotp_size, steps, pick="data", batch="world", k
         engine.step()
         return out.loss.item()
 
+    if not trained:   # one process's losses for this replica: the numbers the engine would give, not its work
+        return engine, layout, [losses[replica] for losses in tensor_parallel.train_one_process(alone, steps)]
     return engine, layout, [train_step(batches[replica]) for batches in steps]
 
 
@@ -232,6 +292,10 @@ def _tensor_data_layout_by_hand(model, autotp_size, steps):
     return _tensor_data_answer(model, autotp_size, steps, layout_by_hand=True)
 
 
+def _tensor_data_one_process_losses(model, autotp_size, steps):
+    return _tensor_data_answer(model, autotp_size, steps, trained=False)
+
+
 TENSOR_DATA_WORLD_SIZES = (4, 3)   # 2 replicas of 2 ranks; 1 replica of 3
 
 
@@ -243,8 +307,10 @@ TENSOR_DATA_WORLD_SIZES = (4, 3)   # 2 replicas of 2 ranks; 1 replica of 3
                  (_tensor_data_inference_key, "init_inference's key"),
                  (_tensor_data_two, "autotp_size is 2, the check asked for 3"),
                  (_tensor_data_no_zero, "zero_optimization.stage is 0"),
-                 (_tensor_data_layout_by_hand, "but DeepSpeed put it in")),
-          prepare=on_ranks.preparer(TENSOR_DATA_TRIAL, draw_tensor_data_case, TENSOR_DATA_WORLD_SIZES),
+                 (_tensor_data_layout_by_hand, "but DeepSpeed put it in"),
+                 (_tensor_data_one_process_losses, "the engine took 0 optimizer steps")),
+          prepare=on_ranks.preparer(TENSOR_DATA_TRIAL, draw_tensor_data_case, TENSOR_DATA_WORLD_SIZES,
+                                    diagnose_tensor_data),
           hint="complete train_tensor_data(model, autotp_size, steps): a ds_config with \"tensor_parallel\": "
                "{\"autotp_size\": autotp_size}, ZeRO-1, the micro batch of the data and a train_batch_size that counts "
                "every rank; the two groups from deepspeed.utils.groups as lists of ranks; each replica trains on "

@@ -146,7 +146,7 @@ def _ulysses_detached(q, k, v):
                  (_ulysses_own_positions, "attended over its own"),
                  (_ulysses_no_permute, "permutes to sdpa's"),
                  (_ulysses_detached, "carries no gradient")),
-          prepare=on_ranks.preparer(ULYSSES_TRIAL, draw_ulysses_case),
+          prepare=on_ranks.preparer(ULYSSES_TRIAL, draw_ulysses_case, diagnose=diagnose_ulysses),
           hint="complete ulysses_attention(q, k, v): a local attention that permutes [seq, batch, heads, head_dim] to "
                "sdpa's [batch, heads, seq, head_dim], runs it with is_causal=True and permutes back; wrap it in "
                "DistributedAttention(local_attention, torch.distributed.group.WORLD, scatter_idx=2, gather_idx=0) and "

@@ -200,8 +200,10 @@ exercise("12.uneven_fix", wrong=((UNEVEN_SCRIPT, "it still hangs"),
 # generate_on_ranks(model, prompt, new_tokens): a ZeRO-3 engine of the model, then greedy generation of exactly
 # new_tokens tokens after `prompt` on this rank (the ranks ask for different numbers), without hanging; returns the new
 # token ids. Checked on 2 and 3 ranks: a small Qwen2 model, a prompt and per-rank token counts drawn now, against
-# Hugging Face's generate in one process. A generate under ZeRO-3 without synced_gpus=True is named before it runs (it
-# would hang, as section 6 showed).
+# Hugging Face's generate in one process, and the work itself: the tokens returned must be those of a generate whose
+# model ZeRO-3 partitioned (each parameter's ds_tensor a shard of its ds_numel elements), run in step with the other
+# ranks (as many forward passes as the longest generation). A generate under ZeRO-3 that would not keep the ranks in
+# step (no synced_gpus=True) is named before it runs (it would hang, as section 6 showed).
 GENERATE_TRIAL = f"{__name__}:generate_trial"
 
 
@@ -226,25 +228,61 @@ def _generate_model(case):
     return build_model(tiny_config(**case["shape"]), seed=case["seed"] % 1000)
 
 
-def _guarded_generate(original):
-    """GenerationMixin.generate as the trial runs it: under ZeRO-3, a call without synced_gpus=True is named on every
-    rank before it starts (the rank that finishes first would leave while the others wait for its shards)."""
+def _guarded_generate(original, calls):
+    """GenerationMixin.generate as the trial runs it: under ZeRO-3, a call that would not keep the ranks in step
+    (synced_gpus False, or None outside a Hugging Face DeepSpeed config, transformers' own default) is named on every
+    rank before it starts (the rank that finishes first would leave while the others wait for its shards). Each call
+    appends to `calls` what it ran on: whether ZeRO-3 had partitioned the model's parameters (each has ds_id, ds_numel
+    the whole weight's size, ds_tensor this rank's shard), the elements of the weights held here and in all, whether
+    it ran synced, its forward passes and the ids it gave."""
     import functools
+    import inspect
+
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        zero3 = any(hasattr(p, "ds_id") for p in self.parameters())   # parameters ZeRO-3 partitioned
-        if zero3 and kwargs.get("synced_gpus") is not True:
+        import torch
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        try:
+            synced = signature.bind_partial(self, *args, **kwargs).arguments.get("synced_gpus")
+        except TypeError:   # arguments generate refuses: it says so itself, below
+            synced = kwargs.get("synced_gpus")
+        if synced is None:   # transformers' generate: synced when its DeepSpeed config says ZeRO-3, on several ranks
+            synced = is_deepspeed_zero3_enabled() and torch.distributed.get_world_size() > 1
+        params = list(self.parameters())
+        zero3 = bool(params) and all(getattr(p, "ds_tensor", None) is not None for p in params)
+        if zero3 and not synced:
             raise Mistake("generate under ZeRO-3 without synced_gpus=True: the ranks ask for different numbers of "
                           "tokens, so the first one done would leave generate while the others wait in an all-gather "
                           "for its shards of the next forward pass (it hangs, section 6); pass synced_gpus=True")
-        return original(self, *args, **kwargs)
+        record = {"zero3": zero3, "synced": bool(synced), "forwards": 0,
+                  "held": sum(p.ds_tensor.numel() if zero3 else p.numel() for p in params),
+                  "whole": sum(p.ds_numel if zero3 else p.numel() for p in params)}
+
+        def count(*_):
+            record["forwards"] += 1
+
+        hook = self.register_forward_pre_hook(count)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            hook.remove()
+        ids = getattr(out, "sequences", out)
+        record["ids"] = ids[0].tolist() if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        calls.append(record)
+        return out
 
     return generate
 
 
+ZERO_WITHOUT_OPTIMIZER = re.compile(r"zero stage (\d) requires an optimizer")
+
+
 def generate_trial(generate_on_ranks, case):
-    """On every rank: the learner's generate_on_ranks with this rank's token count; its tokens, and one process's."""
+    """On every rank: the learner's generate_on_ranks with this rank's token count; its tokens, one process's, and
+    what each generate call it made ran on."""
     import copy
 
     import torch
@@ -258,10 +296,19 @@ def generate_trial(generate_on_ranks, case):
     with torch.no_grad():   # one process, the same weights: what greedy decoding must give
         alone = model.generate(prompt, max_new_tokens=wanted, min_new_tokens=wanted, do_sample=False,
                                pad_token_id=0)[0, prompt.shape[1]:].tolist()
-    original = GenerationMixin.generate
-    GenerationMixin.generate = _guarded_generate(original)
+    original, calls = GenerationMixin.generate, []
+    GenerationMixin.generate = _guarded_generate(original, calls)
     try:
         out = generate_on_ranks(copy.deepcopy(model), prompt.clone(), wanted)
+    except AssertionError as err:   # DeepSpeed's assert for ZeRO-1 or 2 without an optimizer (runtime/engine.py)
+        stage = ZERO_WITHOUT_OPTIMIZER.search(str(err))
+        if stage is None:
+            raise
+        raise Mistake(f"deepspeed.initialize refused ZeRO stage {stage.group(1)} without an optimizer (DeepSpeed "
+                      f"asserts \"zero stage {stage.group(1)} requires an optimizer\"): stages 1 and 2 split only the "
+                      "optimizer states and gradients, so they need an optimizer to split, and every rank still holds "
+                      "every weight whole. Generation needs stage 3, which splits the weights themselves and runs "
+                      "without an optimizer: \"zero_optimization\": {\"stage\": 3}") from None
     finally:
         GenerationMixin.generate = original
     if hasattr(out, "tolist"):
@@ -269,12 +316,23 @@ def generate_trial(generate_on_ranks, case):
     while isinstance(out, list) and len(out) == 1 and isinstance(out[0], list):
         out = out[0]   # a [1, n] batch of one
     return {"rank": rank, "got": out if isinstance(out, list) else repr(out)[:80], "alone": alone,
-            "prompt": prompt[0].tolist(), "wanted": wanted}
+            "prompt": prompt[0].tolist(), "wanted": wanted, "calls": calls}
 
 
 def diagnose_generate(case, results):
     """A Mistake naming what the learner's generate_on_ranks did wrong on this case, if anything."""
     what = f"{case['world_size']} ranks asking for {case['new_tokens']} new tokens"
+    for r in results:
+        if not r["calls"]:
+            raise Mistake(f"rank {r['rank']} never called generate ({what}): generate the tokens with "
+                          "engine.module.generate(...), under the ZeRO-3 engine")
+        if not any(c["zero3"] and c["held"] < c["whole"] for c in r["calls"]):
+            held = max(c["held"] for c in r["calls"])
+            raise Mistake(f"the model that generated on rank {r['rank']} holds every weight whole ({held:,} "
+                          f"elements; no parameter has ZeRO-3's ds_numel and ds_tensor shard), so ZeRO-3 never split "
+                          f"it ({what}): wrap the model given in an engine with \"zero_optimization\": {{\"stage\": "
+                          "3} and generate with engine.module (a copy made before deepspeed.initialize, or a ZeRO-1 "
+                          "or 2 engine, keeps every weight on every rank)")
     for r in results:
         got, alone = r["got"], r["alone"]
         if got == alone:
@@ -288,18 +346,31 @@ def diagnose_generate(case, results):
             raise Mistake(f"rank {r['rank']} generated {len(got)} tokens, not the {r['wanted']} it asked for "
                           f"({what}): max_new_tokens=new_tokens and min_new_tokens=new_tokens, the argument")
         raise Mistake(f"rank {r['rank']}'s tokens {got} are not greedy decoding's {alone} ({what}): do_sample=False")
+    longest = max(case["new_tokens"])
+    for r in results:
+        sharded = [c for c in r["calls"] if c["zero3"] and c["held"] < c["whole"]]
+        if not any(c["ids"] is not None and c["ids"][len(r["prompt"]):] == r["got"] for c in sharded):
+            raise Mistake(f"rank {r['rank']} returned tokens that its generate under ZeRO-3 did not give ({what}): "
+                          "return the ids engine.module.generate gives after the prompt")
+        if not any(c["forwards"] == longest for c in sharded):
+            raise Mistake(f"rank {r['rank']}'s generate under ZeRO-3 ran {[c['forwards'] for c in sharded]} forward "
+                          f"passes ({what}): with synced_gpus=True every rank runs {longest}, as many as the longest "
+                          "generation needs, so that each joins every all-gather of the others' shards")
 
 
 def _generate_answer(model, prompt, new_tokens, synced=True, count=None, whole=False, stage=3):
-    """generate_on_ranks as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
+    """generate_on_ranks as the solution writes it, with one of the usual mistakes switched on (the wrong answers);
+    stage None: no engine at all."""
     import deepspeed
 
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    if stage is not None:
+        ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        model = engine.module
     count = new_tokens if count is None else count
     kwargs = {"synced_gpus": True} if synced else {}
-    out = engine.module.generate(prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False,
-                                 pad_token_id=0, **kwargs)
+    out = model.generate(prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0,
+                         **kwargs)
     return out[0] if whole else out[0, prompt.shape[1]:]
 
 
@@ -315,6 +386,14 @@ def _generate_with_prompt(model, prompt, new_tokens):
     return _generate_answer(model, prompt, new_tokens, whole=True)
 
 
+def _generate_without_engine(model, prompt, new_tokens):
+    return _generate_answer(model, prompt, new_tokens, stage=None)     # plain Hugging Face, synced_gpus=True
+
+
+def _generate_zero2(model, prompt, new_tokens):
+    return _generate_answer(model, prompt, new_tokens, synced=False, stage=2)
+
+
 def check_generate(generate_on_ranks):
     """Run the learner's generate_on_ranks on 2, then 3 launched ranks (dslab.exercises.on_ranks)."""
     return on_ranks.check(GENERATE_TRIAL, generate_on_ranks, draw_generate_case, diagnose_generate)
@@ -323,8 +402,10 @@ def check_generate(generate_on_ranks):
 exercise("12.zero3_generate",
          wrong=((_generate_unsynced, "without synced_gpus=True"),
                 (_generate_four, "generated 4 tokens"),
-                (_generate_with_prompt, "returned the prompt and the new tokens")),
-         prepare=on_ranks.preparer(GENERATE_TRIAL, draw_generate_case),
+                (_generate_with_prompt, "returned the prompt and the new tokens"),
+                (_generate_without_engine, "holds every weight whole"),
+                (_generate_zero2, "refused ZeRO stage 2 without an optimizer")),
+         prepare=on_ranks.preparer(GENERATE_TRIAL, draw_generate_case, diagnose=diagnose_generate),
          hint="complete generate_on_ranks(model, prompt, new_tokens): deepspeed.initialize with \"zero_optimization\": "
               "{\"stage\": 3}; engine.module.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, "
               "do_sample=False, synced_gpus=True); return the ids after the prompt.")(check_generate)

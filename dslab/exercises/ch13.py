@@ -2,12 +2,14 @@
 bytes per parameter, and a bf16-states config run for real.
 
 Solutions: notebooks/solutions/13_solutions.py."""
-from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_config
+from dslab.exercises import Mistake, exercise, expect, on_ranks, references, require_valid_config
 
 
 # 13.forward_flops: the learner writes my_forward_flops(config, batch_size, seq_len) -> the forward FLOPs DeepSpeed's
 # flops profiler counts for a Qwen2-style model. The checker compares it with dslab.precision.mfu.forward_flops on shapes that
-# tell the terms apart (tied and untied heads, grouped-query attention, a head size set apart from hidden/heads).
+# tell the terms apart (tied and untied heads, grouped-query attention, a head size set apart from hidden/heads), and
+# refuses a function that gets its number from that reference (dslab.exercises.references): it is right on every shape
+# by construction.
 def _configs():
     from dslab.models.loading import tiny_config
 
@@ -67,6 +69,11 @@ def _check_forward_flops(fn):
             why = _diagnose(got, terms, config, batch_size, seq_len) if number else None
             raise Mistake(f"for {shape} the profiler counts {terms['total']:,} FLOPs, your function gives "
                           + (f"{got:,.0f}" if number else repr(got)) + (f": {why}" if why else ""))
+    leaned = references.leaned_on(fn, (mfu.forward_flops, _answer_without))
+    if leaned:
+        raise Mistake(f"your function gets its number from {leaned}, the arithmetic this checker compares with: it "
+                      "agrees on every shape by construction and counts nothing itself. Count the terms from the "
+                      "config yourself: each linear layer, attention, SiLU and the output head")
     return True
 
 
@@ -168,7 +175,10 @@ def _check_bf16_states(cfg, world_size=2):
 # profile_step, one training step per batch, and on every rank the forward FLOPs the profiler counted (only rank 0
 # profiles: engine.py starts the profiler when global_steps == profile_step and global_rank == 0). Checked on 2 and 3
 # ranks: a small Qwen2 model, batches of a different length at every step and the step to profile, drawn now; the
-# count must be dslab.precision.mfu.forward_flops of the profiled step's batch, exactly.
+# count must be dslab.precision.mfu.forward_flops of the profiled step's batch, exactly, and it must be what DeepSpeed's
+# profiler counted: the trial watches deepspeed.initialize and the profiler's report (FlopsProfiler.print_model_profile,
+# which engine.step() calls at the profiled step and which sets .flops), so a count computed without the profiler, or
+# profiled on an engine that is not ZeRO-2 in bf16, is refused although the number is right.
 PROFILE_TRIAL = f"{__name__}:profile_trial"
 
 
@@ -196,9 +206,74 @@ def profile_case_config(case):
     return tiny_config(**case["shape"])
 
 
+class _ProfilerWatch:
+    """While entered: every engine deepspeed.initialize builds (also when the learner's globals hold the function
+    itself), and every report DeepSpeed's flops profiler makes (print_model_profile, where it sets .flops), with the
+    engine it belongs to and the global step the engine's config profiles."""
+
+    def __init__(self, namespaces=()):
+        self.namespaces = list({id(ns): ns for ns in namespaces}.values())
+        self.engines, self.profiles, self._swapped = [], [], []
+
+    def __enter__(self):
+        import deepspeed
+        from deepspeed.profiling.flops_profiler.profiler import FlopsProfiler
+
+        self._initialize, self._report = deepspeed.initialize, FlopsProfiler.print_model_profile
+        watch = self
+
+        def initialize(*args, **kwargs):
+            out = watch._initialize(*args, **kwargs)
+            watch.engines.append(out[0])
+            return out
+
+        def report(profiler, *args, **kwargs):
+            out = watch._report(profiler, *args, **kwargs)
+            watch.profiles.append({"engine": profiler.ds_engine, "flops": getattr(profiler, "flops", None)})
+            return out
+
+        self._spy = initialize
+        deepspeed.initialize = initialize
+        FlopsProfiler.print_model_profile = report
+        for namespace in self.namespaces:
+            for name, value in list(namespace.items()):
+                if value is self._initialize:
+                    namespace[name] = initialize
+                    self._swapped.append((namespace, name))
+        return self
+
+    def __exit__(self, *exc):
+        import deepspeed
+        from deepspeed.profiling.flops_profiler.profiler import FlopsProfiler
+
+        deepspeed.initialize = self._initialize
+        FlopsProfiler.print_model_profile = self._report
+        for namespace, name in self._swapped:
+            namespace[name] = self._initialize
+        return False
+
+    @staticmethod
+    def describe(engine):
+        """{"stage", "bf16", "profiler", "profile_step"} of an engine (None: a profile made outside any engine)."""
+        if engine is None:
+            return None
+        enabled = engine.flops_profiler_enabled()
+        return {"stage": int(engine.zero_optimization_stage()), "bf16": bool(engine.bfloat16_enabled()),
+                "profiler": getattr(engine, "flops_profiler", None) is not None and enabled,
+                "profile_step": engine.flops_profiler_profile_step() if enabled else None}
+
+    def summary(self):
+        engines = list(self.engines)
+        for profile in self.profiles:   # an engine built without deepspeed.initialize counts too
+            if profile["engine"] is not None and not any(profile["engine"] is e for e in engines):
+                engines.append(profile["engine"])
+        return {"engines": [self.describe(e) for e in engines],
+                "profiles": [{"flops": p["flops"], "engine": self.describe(p["engine"])} for p in self.profiles]}
+
+
 def profile_trial(profiled_flops, case):
-    """On every rank: the learner's profiled_flops on the case; the count it returned and the counts of every step's
-    batch (to tell which one it profiled)."""
+    """On every rank: the learner's profiled_flops on the case; the count it returned, the counts of every step's
+    batch (to tell which one it profiled), and the engines it built and the profiles DeepSpeed made."""
     import torch
 
     from dslab.precision import mfu
@@ -209,7 +284,8 @@ def profile_trial(profiled_flops, case):
     g = torch.Generator().manual_seed(case["seed"])
     batches = [torch.randint(3, config.vocab_size, (case["rows"], s), generator=g) for s in case["seq_lens"]]
     try:
-        got = profiled_flops(model, batches, case["profile_step"])
+        with _ProfilerWatch([getattr(profiled_flops, "__globals__", {})]) as watch:
+            got = profiled_flops(model, batches, case["profile_step"])
     except AttributeError as exc:
         if "'NoneType' object has no attribute" in str(exc):
             raise Mistake("engine.flops_profiler is None: the profiler is off. \"flops_profiler\": {\"enabled\": true, "
@@ -224,7 +300,7 @@ def profile_trial(profiled_flops, case):
     counts = [mfu.forward_flops(config, case["rows"], s) for s in case["seq_lens"]]
     return {"got": got if isinstance(got, (int, float)) and not isinstance(got, bool) else repr(got)[:80],
             "totals": [c["total"] for c in counts], "silu": [c["SiLU"] for c in counts],
-            "rank": torch.distributed.get_rank()}
+            "rank": torch.distributed.get_rank(), "watched": watch.summary()}
 
 
 def diagnose_profile(case, results):
@@ -254,15 +330,46 @@ def diagnose_profile(case, results):
                           f"flops: {want:,} ({what})")
         raise Mistake(f"rank {r['rank']} returned {got:,}; DeepSpeed's profiler counts {want:,} forward FLOPs for "
                       f"step {step}'s batch ({what}): read engine.flops_profiler.flops after that step's engine.step()")
+    _diagnose_profiler(case, first["watched"], want, what)
 
 
-def _profile_answer(model, batches, profile_step, step=None, broadcast=True, macs=False):
+def _diagnose_profiler(case, watched, want, what):
+    """The right number, but did DeepSpeed's profiler count it, at profile_step, on a ZeRO-2 bf16 engine? (rank 0's
+    view: only rank 0 profiles.) A Mistake naming what is missing, if anything."""
+    step = case["profile_step"]
+    engines, profiles = watched["engines"], watched["profiles"]
+    if not engines:
+        raise Mistake(f"your function returned the right count ({want:,}) without building a DeepSpeed engine: "
+                      "deepspeed.initialize was never called, so DeepSpeed's profiler counted nothing. The task is to "
+                      "train with DeepSpeed (ZeRO-2, bf16) and read what its flops profiler counted at profile_step, "
+                      f"not to compute the count ({what})")
+    asked = [e for e in engines if e["stage"] == 2 and e["bf16"]]
+    if not asked:
+        built = ", ".join(f"ZeRO stage {e['stage']} in {'bf16' if e['bf16'] else 'fp32'}" for e in engines)
+        raise Mistake(f"the engine you trained runs {built}; the task asks for ZeRO-2 in bf16 (\"zero_optimization\": "
+                      "{\"stage\": 2}, \"bf16\": {\"enabled\": true}). The forward FLOPs come out the same, the run "
+                      "the profiler watched is not the one asked for")
+    mine = [p for p in profiles if p["engine"] is not None]
+    if not any(e["profiler"] for e in asked):
+        raise Mistake("the ZeRO-2 bf16 engine has no flops profiler: \"flops_profiler\": {\"enabled\": true, "
+                      "\"profile_step\": profile_step} in its ds_config turns it on")
+    counted = [p for p in mine if p["engine"]["stage"] == 2 and p["engine"]["bf16"] and p["flops"] == want
+               and p["engine"]["profile_step"] == step]
+    if not counted:
+        steps = sorted({p["engine"]["profile_step"] for p in mine})
+        raise Mistake(f"DeepSpeed's profiler did not count {want:,} on the ZeRO-2 bf16 engine at profile_step {step}"
+                      + (f" (it reported at step(s) {steps})" if steps else " (it never reported: run the training "
+                         "step at profile_step through engine.step(), which makes the report)")
+                      + f"; your number did not come from it ({what})")
+
+
+def _profile_answer(model, batches, profile_step, step=None, broadcast=True, macs=False, stage=2, bf16=True):
     """profiled_flops as the solution writes it, with one of the usual mistakes switched on (the wrong answers)."""
     import deepspeed
     import torch
 
     ds_config = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_accumulation_steps": 1,
-                 "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                 "bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage},
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                  "flops_profiler": {"enabled": True, "profile_step": profile_step if step is None else step,
                                     "top_modules": 1, "detailed": False},
@@ -293,11 +400,23 @@ def _profile_macs(model, batches, profile_step):
     return _profile_answer(model, batches, profile_step, macs=True)
 
 
+def _profile_zero0_fp32(model, batches, profile_step):
+    return _profile_answer(model, batches, profile_step, stage=0, bf16=False)   # the right count, not the asked run
+
+
+def _profile_arithmetic(model, batches, profile_step):
+    from dslab.precision import mfu
+
+    return mfu.forward_flops(model.config, *batches[profile_step].shape)["total"]   # no engine, no profiler
+
+
 @exercise("13.profiled_flops",
           wrong=((_profile_chapters_step, "the forward FLOPs of step 2's batch"),
                  (_profile_rank0_only, "only rank 0 profiles"),
-                 (_profile_macs, "the profiler's multiply-adds")),
-          prepare=on_ranks.preparer(PROFILE_TRIAL, draw_profile_case),
+                 (_profile_macs, "the profiler's multiply-adds"),
+                 (_profile_zero0_fp32, "runs ZeRO stage 0 in fp32"),
+                 (_profile_arithmetic, "without building a DeepSpeed engine")),
+          prepare=on_ranks.preparer(PROFILE_TRIAL, draw_profile_case, diagnose=diagnose_profile),
           hint="complete profiled_flops(model, batches, profile_step): a ds_config (ZeRO-2, bf16) with "
                "\"flops_profiler\": {\"enabled\": true, \"profile_step\": profile_step}; one training step per batch; "
                "then engine.flops_profiler.flops on rank 0, broadcast to every rank.")

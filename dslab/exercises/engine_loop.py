@@ -11,10 +11,21 @@ The learner's cell defines three functions (the answer is the tuple of them):
 The checker draws the sizes now (dimensions, micro batch, accumulation steps, optimizer steps, learning rate, seed),
 checks the config in this process (what DeepSpeed would refuse or silently ignore), then runs `trial` on every rank:
 each rank trains the model with its own micro-batches while a spy records what the loop does with the engine (the
-loss it passes to engine.backward, where the optimizer steps, who zeroes gradients), and the same model is trained
-in plain PyTorch on the whole batch of every step (AdamW, no clipping): after the run the weights must agree.
-`diagnose` names the first mistake it finds: in the loop (the spy) before the weights, so that a mistake Adam hides
-(a loss divided twice scales every gradient alike, and Adam's update barely changes) is still named.
+loss it passes to engine.backward, where the optimizer steps, who zeroes gradients, and at each accumulation boundary
+the gradient the optimizer is about to step with), and the same model is trained in plain PyTorch on the whole batch
+of every step (AdamW, no clipping): each boundary's gradient must be the whole batch's gradient at the same weights,
+and after the run the weights must agree. `diagnose` names the first mistake it finds: in the loop (the spy) and in
+the gradient before the weights, so that a mistake Adam hides (a loss divided twice, or not divided at all with
+scale_wrt_gas=False, scales every gradient alike, and Adam's update barely changes) is still named.
+
+What the loop may call backward with is judged by that gradient, not by its spelling: engine.backward(loss), or
+engine.backward(loss / gradient_accumulation_steps, scale_wrt_gas=False), or loss.backward() on the engine's output
+where DeepSpeed supports it (deepspeed 0.19.8, runtime/engine.py: the engine's forward hooks its output, so that a
+backward through it divides by gradient_accumulation_steps and runs the engine's backward prologue and epilogue, the
+gradient reduction included, when the engine has a ZeRO optimizer; without one, ZeRO stage 0 in fp32 here, the
+prologue raises "Direct calls to tensor.backward() are not supported"). Every tensor the model returns is hooked: a
+model that returns its loss with the tensor the loss comes from (a Hugging Face model's loss and logits) would have a
+loss.backward() divided twice; here the loss is computed outside the model, from its one output.
 """
 import random
 
@@ -24,6 +35,8 @@ from dslab.exercises.engine_spy import EngineSpy
 TRIAL = "dslab.exercises.engine_loop:trial"
 TOLERANCE = 2e-5     # largest weight difference to plain PyTorch accepted; a right loop measured ~1e-6 here
 RATIO_RTOL = 1e-3    # loss passed to engine.backward / the micro-batch's MSE: 1 within this
+GRADIENT_RTOL = 1e-4   # |boundary gradient - the whole batch's| / |the whole batch's|; a right loop measured ~1e-7
+DIRECT_BACKWARD = "Direct calls to tensor.backward() are not supported"   # DeepSpeed's words, engine.py
 OUTSIDE_STEP = ("optimizer stepped outside the engine: an optimizer's step() was called by your loop, not by "
                 "engine.step(). The engine steps the optimizer itself, once per accumulation boundary, after "
                 "reducing the gradients (and zeroes them after it): call engine.step() after every micro-batch and "
@@ -31,6 +44,13 @@ OUTSIDE_STEP = ("optimizer stepped outside the engine: an optimizer's step() was
 FIGHTING_ZERO_GRAD = ("zero_grad fighting the engine: your loop zeroes gradients between the micro-batches of an "
                       "accumulation window, which erases what the earlier ones added. The engine zeroes them itself "
                       "after each optimizer step: remove zero_grad() from the loop")
+LOSS_BACKWARD_AT_ZERO0 = (
+    "loss.backward() at ZeRO stage 0: DeepSpeed refuses a backward the engine does not run itself when it has no "
+    "ZeRO optimizer (\"Direct calls to tensor.backward() are not supported\", ZeRO stage 0 in fp32 here). Call "
+    "engine.backward(loss), which works at every stage. (At ZeRO stages 1-3 loss.backward() on a loss computed from "
+    "the engine's output works too: DeepSpeed hooks that output to divide by gradient_accumulation_steps, and the ZeRO "
+    "optimizer reduces the gradients. What engine.backward still adds there is fp16's loss scaling, which "
+    "loss.backward() leaves to engine.scale(loss).)")
 REFERENCE_NAMES = ("right", "clipped", "every_micro_batch", "last_micro_batch", "weight_decay", "own_data")
 TASKS = {
     # 03.engine_loop: any ZeRO stage, no offload; 04.offload_loop: ZeRO-3 with optimizer and parameters on the CPU
@@ -40,10 +60,12 @@ TASKS = {
 
 
 def draw_case(task, world_size, rng=None):
-    """Sizes, learning rate and seed for one check, chosen now: the learner has not seen them."""
+    """Sizes, learning rate and seed for one check, chosen now: the learner has not seen them (and never the
+    chapter's 4 accumulation steps, so that a 4 written into the loop shows)."""
     rng = rng or random.SystemRandom()
     return {"task": task, "world_size": world_size, "d_in": rng.randint(3, 7), "d_out": rng.randint(1, 4),
-            "micro_batch_size": rng.randint(1, 3), "grad_accum_steps": rng.randint(2, 4), "steps": rng.randint(2, 3),
+            "micro_batch_size": rng.randint(1, 3), "grad_accum_steps": rng.choice((2, 3, 5)),
+            "steps": rng.randint(2, 3),
             "lr": rng.choice([0.01, 0.02, 0.03, 0.05]), "seed": rng.randrange(1 << 30)}
 
 
@@ -217,6 +239,43 @@ def _flat(parameters):
     return torch.cat([p.detach().float().flatten() for p in parameters])
 
 
+def _window_gradient(start, weights, case, world_size, step):
+    """Plain PyTorch's gradient of the mean loss over window `step`'s whole batch (every rank's micro-batches), at
+    `weights` (flat): what the optimizer should step with at that accumulation boundary."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    x, y, rows = _data(case, world_size)
+    model = copy.deepcopy(start)
+    torch.nn.utils.vector_to_parameters(weights, model.parameters())
+    model.zero_grad(set_to_none=True)
+    window = slice(step * rows, (step + 1) * rows)
+    F.mse_loss(model(x[window]), y[window]).backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+                      for p in model.parameters()])
+
+
+def _gradient_checks(start, spy, case, world_size):
+    """For each accumulation boundary the spy saw (one per optimizer step of the task, else nothing to compare):
+    {"rel": |g - r| / |r|, "scale": the s that makes s x r closest to g, "fit": |g - s r| / |g|}, with g the
+    gradient the optimizer was about to step with and r the whole batch's at the same weights."""
+    if spy.capture_failed:
+        raise RuntimeError(f"reading the gradient at an accumulation boundary failed: {spy.capture_failed}")
+    if len(spy.windows) != case["steps"]:
+        return []
+    found = []
+    for step, (weights, got) in enumerate(spy.windows):
+        want = _window_gradient(start, weights, case, world_size, step)
+        if got.numel() != want.numel():
+            return []
+        scale = float(got @ want / (want @ want)) if float(want @ want) > 0 else 0.0
+        found.append({"rel": float((got - want).norm() / max(float(want.norm()), 1e-30)), "scale": scale,
+                      "fit": float((got - scale * want).norm() / max(float(got.norm()), 1e-30))})
+    return found
+
+
 def trial(make_model, make_config, train, case):
     """On each rank: the learner's run under the spy, then the references; what `diagnose` needs, as JSON."""
     import copy
@@ -245,6 +304,8 @@ def trial(make_model, make_config, train, case):
                 raise Mistake(OUTSIDE_STEP) from None
             if spy.fighting_zero_grads:
                 raise Mistake(FIGHTING_ZERO_GRAD) from None
+            if DIRECT_BACKWARD in str(exc):
+                raise Mistake(LOSS_BACKWARD_AT_ZERO0) from None
             if "client provided optimizer" in str(exc):   # DeepSpeed refuses a torch optimizer with offload
                 raise Mistake("offload without a CPU optimizer: DeepSpeed refuses a torch optimizer passed to "
                               "deepspeed.initialize when the optimizer is offloaded (ZeRO-Offload updates with its "
@@ -266,13 +327,66 @@ def trial(make_model, make_config, train, case):
     lowest = after.clone()
     torch_dist.all_reduce(lowest, op=torch_dist.ReduceOp.MIN)
     return {"spy": spy.summary(), "diffs": diffs, "moved": float((after - before).abs().max()),
-            "rank_spread": float((spread - lowest).abs().max()), "world_size": world_size}
+            "rank_spread": float((spread - lowest).abs().max()), "world_size": world_size,
+            "gradients": _gradient_checks(start, spy, case, world_size)}
 
 
 # ---------------------------------------------------------------------------------------------- verdict
 
 def _near(values, target, rtol=RATIO_RTOL):
     return bool(values) and all(abs(v - target) <= rtol * abs(target) for v in values)
+
+
+def _gradient_mistake(case, results):
+    """(scaled, what is wrong) when the gradient the optimizer stepped with at an accumulation boundary is not the
+    whole batch's at the same weights; scaled: it is the whole batch's times one number (a loss divided wrong).
+    None when every boundary's gradient is right, or when none could be compared (other checks name that)."""
+    found = results[0]["gradients"]
+    if not found or all(g["rel"] <= GRADIENT_RTOL for g in found):
+        return None
+    accum, micro = case["grad_accum_steps"], case["micro_batch_size"]
+    first = next(g for g in found if g["rel"] > GRADIENT_RTOL)
+    scale = first["scale"]
+    if any(g["fit"] > GRADIENT_RTOL for g in found) or scale <= 0:
+        return False, (f"the gradient the optimizer stepped with at the accumulation boundary differs from the whole "
+                       f"batch's at the same weights by {first['rel']:.2g} of its size: pass engine.backward each "
+                       "micro-batch's mean squared error, F.mse_loss(engine(x), y), and call engine.step() after "
+                       "every micro-batch")
+    spy = results[0]["spy"]
+    ratios = [x for r in results for x in r["spy"]["ratios"]]
+    flags = set(spy["scale_wrt_gas"])
+    measured = f"the gradient at each accumulation boundary is {scale:.3g} x the whole batch's"
+    if spy["backwards"] == 0:   # loss.backward() on the engine's output: DeepSpeed's hook divides by accum
+        if abs(scale * accum - 1) < 1e-3:
+            return True, (f"{measured}: you divided the loss by {accum} before loss.backward(), and DeepSpeed's hook "
+                          "on the engine's output divides by gradient_accumulation_steps again. Call backward on the "
+                          "mean loss as it is (or engine.backward(loss))")
+        return True, (f"{measured}: call backward on each micro-batch's mean squared error as it is, "
+                      "engine.backward(F.mse_loss(engine(x), y))")
+    divisor = round(1 / ratios[0]) if ratios and 0 < ratios[0] < 1 else None
+    divided = bool(divisor and divisor > 1 and _near(ratios, 1 / divisor))
+    if flags == {False}:        # engine.backward(..., scale_wrt_gas=False): the loop divides, or nobody does
+        if ratios and _near(ratios, 1.0):
+            return True, (f"{measured} ({accum} micro-batches summed): engine.backward(loss, scale_wrt_gas=False) "
+                          f"does not divide by gradient_accumulation_steps ({accum}), and the loss you pass is not "
+                          "divided either. Leave scale_wrt_gas at its default (True), or pass loss / "
+                          "gradient_accumulation_steps when you switch it off (Adam's step barely shows it; the "
+                          "gradient and clipping do)")
+        if divided:
+            return True, (f"{measured}: with scale_wrt_gas=False you divided the loss by {divisor}, but a window here "
+                          f"adds {accum} micro-batches: divide by engine.gradient_accumulation_steps() ({accum}), "
+                          "not a number written in")
+    elif flags == {True}:
+        if divided:
+            return True, (f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {divisor}, "
+                          f"and engine.backward divides by gradient_accumulation_steps ({accum}) itself; {measured}. "
+                          "Pass the mean loss as it is")
+        if ratios and _near(ratios, micro * case["d_out"]):
+            return True, ("the loss passed to engine.backward is the sum of the squared errors: use their mean "
+                          f"(F.mse_loss's default reduction), as the whole-batch reference does; {measured}")
+    said = f" is {ratios[0]:.3g} x the micro-batch's mean squared error" if ratios else ""
+    return True, (f"{measured}: the loss you pass to engine.backward{said}. Pass F.mse_loss(engine(x), y) as it is "
+                  "to engine.backward(loss), which divides it by gradient_accumulation_steps")
 
 
 def diagnose(case, results):
@@ -287,30 +401,20 @@ def diagnose(case, results):
     if spy["initialized"] > 1:
         raise Mistake(f"train() called deepspeed.initialize {spy['initialized']} times: call it once, before the loop; "
                       "each call builds a new engine and optimizer")
-    if spy["backwards"] == 0:
-        raise Mistake("engine.backward was never called: loss.backward() skips what the engine does in backward "
-                      "(scaling the loss by 1/gradient_accumulation_steps, ZeRO's gradient reduction): call "
-                      "engine.backward(loss)")
+    if spy["passes"] == 0:
+        raise Mistake("no backward pass reached the model: call engine.backward(loss) on each micro-batch's loss "
+                      "(the loss of the engine's output, F.mse_loss(engine(x), y))")
     if any(r["spy"]["outside_steps"] for r in results):
         raise Mistake(OUTSIDE_STEP)
-    if spy["steps"] < spy["backwards"]:
-        raise Mistake(f"engine.step() was called {spy['steps']} times for {spy['backwards']} micro-batches: call it "
+    if spy["steps"] < spy["passes"]:
+        raise Mistake(f"engine.step() was called {spy['steps']} times for {spy['passes']} micro-batches: call it "
                       "after every micro-batch. The engine counts micro-batches in step() and steps the optimizer "
                       "only at the accumulation boundary, so calling it only there leaves it counting wrong")
     if any(r["spy"]["fighting_zero_grads"] for r in results):
         raise Mistake(FIGHTING_ZERO_GRAD)
-    ratios = [x for r in results for x in r["spy"]["ratios"]]
-    if ratios and not _near(ratios, 1.0):   # (with one value per micro-batch, a sum is the mean: not a mistake then)
-        divisor = round(1 / ratios[0]) if 0 < ratios[0] < 1 else None
-        if divisor and divisor > 1 and _near(ratios, 1 / divisor):
-            raise Mistake(f"the loss is divided twice: you passed engine.backward the micro-batch's loss / {divisor}, "
-                          f"and engine.backward divides by gradient_accumulation_steps ({accum}) itself. Pass the mean "
-                          "loss as it is")
-        if _near(ratios, micro * case["d_out"]):
-            raise Mistake("the loss passed to engine.backward is the sum of the squared errors: use their mean "
-                          "(F.mse_loss's default reduction), as the whole-batch reference does")
-        raise Mistake(f"the loss you pass to engine.backward is {ratios[0]:.3g} x the micro-batch's mean squared "
-                      "error: pass F.mse_loss(engine(x), y) as it is")
+    gradient_mistake = _gradient_mistake(case, results)
+    if gradient_mistake and gradient_mistake[0]:   # a scaled gradient: Adam's weights would barely show it
+        raise Mistake(gradient_mistake[1])
     if TASKS[case["task"]]["offload"] and spy["optimizer"] != "DeepSpeedCPUAdam":
         raise Mistake(f"offload without a CPU optimizer: the offloaded optimizer states were updated by "
                       f"{spy['optimizer']}, not by DeepSpeed's DeepSpeedCPUAdam. Leave the optimizer to DeepSpeed: an "
@@ -325,9 +429,9 @@ def diagnose(case, results):
         raise Mistake("no weight changed: train() must train the model it is given (deepspeed.initialize(model=model, "
                       "...)), not a new one")
     diffs = results[0]["diffs"]
-    if diffs["right"] <= TOLERANCE:
+    if diffs["right"] <= TOLERANCE and not gradient_mistake:
         return
-    closest = min(diffs, key=diffs.get)
+    closest = min((variant for variant in diffs if variant != "right"), key=diffs.get)
     if diffs[closest] <= TOLERANCE:
         said = {
             "clipped": "the gradients were clipped to norm 1.0 (DeepSpeed's default gradient_clipping): the reference "
@@ -341,6 +445,8 @@ def diagnose(case, results):
                         "ranks; use engine.backward and engine.step",
         }[closest]
         raise Mistake(f"after {windows} your weights match a run where {said}")
+    if gradient_mistake:
+        raise Mistake(gradient_mistake[1])
     raise Mistake(f"after {windows} your weights differ from plain PyTorch's (AdamW, the whole batch per step) by "
                   f"up to {diffs['right']:.2g}: check the loss (the micro-batch's mean squared error, passed to "
                   "engine.backward as it is) and that the loop calls engine.step() after every micro-batch")
@@ -364,7 +470,7 @@ def prepare(answers, task):
         except Mistake:
             continue
         fit.append(tuple(answer))
-    for world_size in on_ranks.WORLD_SIZES:
+    for i, world_size in enumerate(on_ranks.WORLD_SIZES):
         case = draw_case(task, world_size)
         runnable = []
         for answer in fit:
@@ -373,5 +479,5 @@ def prepare(answers, task):
             except Exception:      # refused before any rank starts: nothing to run
                 continue
             runnable.append(answer)
-        if runnable:
-            on_ranks.run(TRIAL, runnable, world_size, case)
+        if runnable:   # in a batch, what diagnose refused on 2 ranks does not run on 3: the check stops there
+            on_ranks.run(TRIAL, runnable, world_size, case, judge=(diagnose, on_ranks.WORLD_SIZES[:i]))

@@ -1,10 +1,13 @@
 """A spy on a learner's DeepSpeed loop, for the engine-loop checkers (dslab/exercises/engine_loop.py).
 
 While it is entered, `deepspeed.initialize` hands out engines whose backward, step and zero_grad are counted, a forward
-hook on the model remembers the mean squared error of each micro-batch it sees, and every optimizer step and zero_grad
-made outside the engine is noted. What it records says which mistake a loop makes even where the weights cannot:
-Adam's update barely changes when every gradient is scaled alike, so a loss divided twice leaves nearly the right
-weights, but not the right loss in engine.backward.
+hook on the model remembers the mean squared error of each micro-batch it sees and counts every backward pass that
+reaches the model's output (engine.backward's, or loss.backward()'s on the engine's output), and every optimizer step
+and zero_grad made outside the engine is noted. At each accumulation boundary, before the engine steps, it reads the
+whole weights and the whole accumulated gradient the optimizer is about to use (deepspeed.utils.safe_get_full_grad, at
+any ZeRO stage; every rank takes part, as in the step itself). What it records says which mistake a loop makes even
+where the weights cannot: Adam's update barely changes when every gradient is scaled alike, so a loss divided twice
+or left undivided (scale_wrt_gas=False) leaves nearly the right weights, but not the right gradient.
 """
 
 
@@ -17,9 +20,12 @@ class EngineSpy:
         # the learner's globals: a `from deepspeed import initialize` there holds the function itself, not the module
         self.namespaces = list({id(ns): ns for ns in namespaces}.values())
         self._swapped = []
-        self.initialized = self.forwards = self.backwards = self.steps = self.boundaries = 0
+        self.initialized = self.forwards = self.backwards = self.passes = self.steps = self.boundaries = 0
         self.outside_steps = self.fighting_zero_grads = 0
         self.ratios, self.engine, self.expected, self.pending, self.inside = [], None, None, 0, 0
+        self.scale_wrt_gas = []      # the scale_wrt_gas of each engine.backward call
+        self.windows = []            # (whole weights, whole gradient) at each accumulation boundary, before the step
+        self.capture_failed = None   # why reading them failed, if it did
         self.optimizer_name = self.offload_devices = None
 
     def __enter__(self):
@@ -106,6 +112,8 @@ class EngineSpy:
         if not inputs or not torch.is_tensor(inputs[0]) or not torch.is_tensor(output):
             return
         self.forwards += 1
+        if output.requires_grad:   # counts the backward passes through the model, whoever starts them
+            output.register_hook(self._backward_pass)
         x = inputs[0]
         for xb, yb in self.micro_batches:
             if xb is x or (xb.shape == x.shape and torch.equal(xb, x)):
@@ -113,9 +121,14 @@ class EngineSpy:
                 return
         self.expected = None
 
+    def _backward_pass(self, grad):
+        self.passes += 1
+        self.pending += 1
+
     def _backward(self, loss, *args, **kwargs):
         self.backwards += 1
-        self.pending += 1
+        # engine.backward(loss, retain_graph=False, scale_wrt_gas=True)
+        self.scale_wrt_gas.append(bool(kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)))
         try:
             value = float(loss.detach().float().item())
         except (AttributeError, RuntimeError, ValueError):
@@ -125,7 +138,30 @@ class EngineSpy:
 
     def _step_before(self, *args, **kwargs):
         self.steps += 1
-        return self.engine.is_gradient_accumulation_boundary()
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary and self.capture_failed is None:
+            try:
+                self.windows.append(self._weights_and_gradient())
+            except Exception as exc:   # the checker's reading, not the learner's code: said as such
+                self.capture_failed = f"{type(exc).__name__}: {exc}"[:300]
+        return boundary
+
+    def _weights_and_gradient(self):
+        """The whole weights and the whole accumulated gradient the optimizer is about to step with, flat, on every
+        rank (both gathered across the ranks under ZeRO; safe_get_full_grad is a collective at stages 1-3)."""
+        import deepspeed
+        import torch
+        from deepspeed.utils import safe_get_full_grad
+
+        parameters = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(parameters):
+            weights = torch.cat([p.detach().float().flatten().clone() for p in parameters])
+        grads = []
+        for p in parameters:
+            grad = safe_get_full_grad(p)
+            size = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+            grads.append(torch.zeros(size) if grad is None else grad.detach().float().flatten().cpu().clone())
+        return weights, torch.cat(grads)
 
     def _step_after(self, boundary):
         if boundary:
@@ -146,6 +182,8 @@ class EngineSpy:
 
     def summary(self):
         return {"initialized": self.initialized, "forwards": self.forwards, "backwards": self.backwards,
-                "steps": self.steps, "boundaries": self.boundaries, "outside_steps": self.outside_steps,
-                "fighting_zero_grads": self.fighting_zero_grads, "ratios": self.ratios[:64],
-                "optimizer": self.optimizer_name, "offload": self.offload_devices}
+                "passes": self.passes, "steps": self.steps, "boundaries": self.boundaries,
+                "outside_steps": self.outside_steps, "fighting_zero_grads": self.fighting_zero_grads,
+                "ratios": self.ratios[:64], "scale_wrt_gas": self.scale_wrt_gas[:64],
+                "optimizer": self.optimizer_name, "offload": self.offload_devices,
+                "capture_failed": self.capture_failed}

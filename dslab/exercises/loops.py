@@ -9,7 +9,8 @@ MISTAKES = {
     "loss divided": "passes the loss / gradient_accumulation_steps to engine.backward, which divides it again",
     "optimizer step": "steps the optimizer deepspeed.initialize returned, after the engine's step, at each window end",
     "zero_grad": "zeroes the gradients before every micro-batch, as a plain PyTorch loop does",
-    "loss.backward": "calls loss.backward() instead of engine.backward(loss)",
+    "loss.backward": "calls loss.backward() instead of engine.backward(loss) (right at ZeRO 1-3, refused at 0)",
+    "no gas scaling": "calls engine.backward(loss, scale_wrt_gas=False) and does not divide the loss itself",
     "step at boundary": "calls engine.step() only at the end of each accumulation window",
     "client optimizer": "builds a torch AdamW itself and hands it to deepspeed.initialize",
 }
@@ -55,6 +56,8 @@ def train(model, ds_config, micro_batches, mistake=None):
             loss = loss / accum
         if mistake == "loss.backward":
             loss.backward()
+        elif mistake == "no gas scaling":
+            engine.backward(loss, scale_wrt_gas=False)
         else:
             engine.backward(loss)
         if mistake != "step at boundary" or i % accum == 0:

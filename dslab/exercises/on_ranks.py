@@ -53,17 +53,19 @@ def run(trial, answers, world_size, case, judge=None):
     """[(case, [result of rank 0, 1, ...]) for each answer]: `trial` ("module:function") run on `world_size` launched
     ranks with each answer, in one launch for all the answers that have not run before (those run with `case`).
 
-    judge: (diagnose, the world sizes its checker tries before this one), or None. Within batched(), an answer that
-    diagnose refuses on one of those is not run on this world size: its check stops at the refusal."""
+    judge: (diagnose, the world sizes its checker tries before this one), or None. An answer that diagnose refused on
+    one of those is not run on this world size (its check stops at the refusal; its entry is None), and within
+    batched() the same holds for the world sizes the batch runs first."""
     keys = [_key(trial, world_size, pack(answer)) for answer in answers]
     todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
     if _BATCH is not None:     # noted; batched() runs it
         for key in todo:
             _BATCH.setdefault(world_size, {}).setdefault(key, (case, judge))
         return None
+    todo = [key for key in todo if not _refused_before(key, judge)]
     if todo:
         _run_together(world_size, {key: case for key in todo})
-    return [_DONE[k] for k in keys]
+    return [_DONE.get(k) for k in keys]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ v_proj_shard = [config.num_key_value_heads * head_dim // 2, config.hidden_size]
 
 
 
-# 07.init_inference: called on every rank of the job (the checker runs 2): AutoTP over all of them (no kernel
+# 07.init_inference: called on every rank of the job (the checker runs 2, then 3): AutoTP over all of them (no kernel
 # injection), in float32 (init_inference defaults to float16, refused on CPU); the engine's greedy answer equals plain
 # Hugging Face generation.
 def make_engine(model):
