@@ -3,6 +3,7 @@
 import glob
 import math
 import os
+import random
 import re
 import shutil
 import socket
@@ -137,11 +138,36 @@ def port_is_free(port, host="127.0.0.1"):
     return True
 
 
-def free_port(preferred=None):
-    """`preferred` if it is free, else a port the kernel says is unused."""
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_CHOSEN_PORT = 20000
+
+
+def ephemeral_ports(path=EPHEMERAL_RANGE_FILE):
+    """(first, last): the ports the kernel hands to outgoing connections (Linux's default 32768-60999)."""
+    try:
+        first, last = Path(path).read_text().split()
+        return int(first), int(last)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(preferred=None, rng=None):
+    """`preferred` if it is free, else a free port below the kernel's ephemeral range, drawn at random.
+
+    Not one the kernel picks (bind to port 0): that comes from the ephemeral range, and the kernel may give it to any
+    outgoing connection before the rendezvous store binds it, which for live ranks is minutes later (seen in CI: the
+    store's listen failed with EADDRINUSE). Drawn at random so that jobs started together do not draw alike.
+    """
     if preferred and port_is_free(preferred):
         return preferred
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    first, _ = ephemeral_ports()
+    rng = rng or random.SystemRandom()
+    if first - LOWEST_CHOSEN_PORT >= 1000:
+        for _ in range(100):
+            port = rng.randrange(LOWEST_CHOSEN_PORT, first)
+            if port_is_free(port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # a machine with its ephemeral range set low
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
