@@ -55,7 +55,7 @@ lab-zh: setup
 UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/jupyterhub \
                   --ignore=tests/test_tools_runs.py
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_redteam_ranks_a.py \
-                  tests/test_redteam_ranks_b.py tests/test_on_ranks_batch.py
+                  tests/test_redteam_ranks_b.py tests/test_redteam_ranks_c.py tests/test_on_ranks_batch.py
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 
 test: setup

@@ -43,6 +43,14 @@ MULTIRANK = (
     # the red team's answers of 07, 11 and 12, in the same launches (tests/test_redteam_ranks_a.py)
     "tests/test_redteam_ranks_a.py::test_wrong_answers_are_refused_naming_the_mistake",
     "tests/test_redteam_ranks_a.py::test_right_answers_in_unusual_forms_are_accepted",
+    # and those of 03.engine_loop and 13.profiled_flops (tests/test_redteam_ranks_b.py)
+    "tests/test_redteam_ranks_b.py::test_engine_loop_accepts_other_right_backwards",
+    "tests/test_redteam_ranks_b.py::test_engine_loop_refuses_a_gradient_scaled_or_a_backward_deepspeed_refuses",
+    "tests/test_redteam_ranks_b.py::test_profiled_flops_accepts_other_ways_to_read_and_share_the_count",
+    "tests/test_redteam_ranks_b.py::test_profiled_flops_refuses_a_right_number_the_asked_profiler_did_not_count",
+    # and those of 01, 04, 10, 11.ulysses and 12.uneven_fix (tests/test_redteam_ranks_c.py; 12's scripts launch apart)
+    "tests/test_redteam_ranks_c.py::test_wrong_answers_are_refused_naming_the_mistake",
+    "tests/test_redteam_ranks_c.py::test_right_answers_in_unusual_forms_are_accepted",
     "tests/test_comm_bytes.py::test_each_rank_sends_what_deepspeeds_algorithm_predicts",  # these two share one
     "tests/test_comm_bytes.py::test_ideal_bytes_of_the_measured_runs_are_the_ring_formulas",  # 3-rank launch
     "tests/test_comm_bytes.py::test_ddp_no_sync_halves_the_bytes_of_two_micro_steps",
@@ -106,6 +114,7 @@ SLOW = (
     "tests/test_exercises.py::test_solution_is_accepted[09.ds_config]",  # TrainingArguments + deepspeed, twice
     "tests/test_exercises.py::test_wrong_answers_are_refused_naming_their_mistake[09.ds_config]",
     "tests/test_exercises.py::test_a_hard_coded_answer_fails[09.ds_config]",
+    "tests/test_redteam_inprocess.py::test_wrong_answers_are_refused_naming_the_mistake",  # 16 checks, ~9 s
     "tests/test_hf_bridge.py::test_auto_sources_name_what_the_trainer_fills",  # the same imports
     "tests/test_infer.py::test_cli_json_output",
     "tests/test_infer.py::test_cli_text_file_and_explicit_model_dir",

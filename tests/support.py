@@ -138,11 +138,11 @@ _RANK_EXERCISES_RUN = []
 
 
 def run_rank_exercises_together():
-    """Once per test session: the answers tests/test_exercises.py, tests/test_exercises_parallel.py,
-    tests/test_redteam_ranks_a.py and tests/test_redteam_ranks_b.py check on ranks, every exercise's, run in one launch
-    per world size (dslab.exercises.on_ranks.batched) instead of one per exercise and world size. Starting ranks (the
-    launcher, torch and DeepSpeed imported on every rank) is most of a launch's time on a small machine:
-    benchmarks/rank_startup.py measures it."""
+    """Once per test session: the answers tests/test_exercises.py, tests/test_exercises_parallel.py and
+    tests/test_redteam_ranks_a.py, _b.py and _c.py check on ranks, every exercise's, run in one launch per world size
+    (dslab.exercises.on_ranks.batched) instead of one per exercise and world size. Starting ranks (the launcher, torch
+    and DeepSpeed imported on every rank) is most of a launch's time on a small machine: benchmarks/rank_startup.py
+    measures it."""
     if _RANK_EXERCISES_RUN:
         return
     _RANK_EXERCISES_RUN.append(True)
@@ -150,11 +150,13 @@ def run_rank_exercises_together():
     import test_exercises_parallel
     import test_redteam_ranks_a
     import test_redteam_ranks_b
+    import test_redteam_ranks_c
 
     from dslab.exercises import on_ranks
 
     with on_ranks.batched():
-        for module in (test_exercises, test_exercises_parallel, test_redteam_ranks_a, test_redteam_ranks_b):
+        for module in (test_exercises, test_exercises_parallel, test_redteam_ranks_a, test_redteam_ranks_b,
+                       test_redteam_ranks_c):
             module.prepare_all_on_ranks()
 
 

@@ -464,6 +464,24 @@ def skips_overflow_by_hand(model, optimizer, scaler, x, y, max_norm):
     return loss.detach()
 
 
+# What test_amp_clip_red_team and test_amp_clip_skipping_by_hand_is_right check, declared for
+# tests/test_redteam_coverage.py (the configs and the command above are not coding exercises: it counts none of them).
+REDTEAM = {
+    "02.amp_clip": {
+        "wrong": [(ch02_amp_clip.optimizer_step, "call scaler.step(optimizer), not optimizer.step()"),
+                  (clip_scaled_then_optimizer_step,
+                   "neither scaler.unscale_(optimizer) nor scaler.step(optimizer) ran"),
+                  (clip_scaled_no_update, "the scaled gradients overflowed fp16 (inf)"),
+                  (ch02_amp_clip.clip_scaled_step, "= max_norm / 65536"),
+                  (unscaled_by_hand, "or you divided them by the scale yourself"),
+                  (ch02_amp_clip.chapter_norm_step, "you clipped to 0.0001"),
+                  (ch02_amp_clip.calls_the_reference_step, "the checker's own reference")],
+        "right": [zero_grad_last, skips_overflow_by_hand],
+        "hard_coded": [ch02_amp_clip.chapter_norm_step, ch02_amp_clip.calls_the_reference_step],
+    },
+}
+
+
 def test_amp_clip_red_team(fixed_amp_case):
     refused("02.amp_clip", ch02_amp_clip.optimizer_step, "call scaler.step(optimizer), not optimizer.step()")
     refused("02.amp_clip", clip_scaled_then_optimizer_step,

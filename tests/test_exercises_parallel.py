@@ -120,7 +120,7 @@ def _profile_fixed_count(model, batches, profile_step):
 
 
 HARD_CODED = {
-    "10.reduce_to_owners": (_owners_by_two, "is not the mean over the ranks"),
+    "10.reduce_to_owners": (_owners_by_two, "is the sum over the 3 ranks divided by 2"),
     "11.pipeline": (_pipeline_chapters_losses, "train_micro_batch_size_per_gpu is 2"),
     "11.tensor_data": (_tensor_data_typed_grid, "must count every rank"),
     "11.ulysses": (_ulysses_head_dim_32, "differs from attention over the whole sequence"),

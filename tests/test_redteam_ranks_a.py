@@ -402,6 +402,16 @@ CASES = {   # exercise id: (wrong answers and their words, right answers)
     "07.init_inference": (INFERENCE_WRONG, INFERENCE_RIGHT),
 }
 
+HARD_CODED = {   # of the wrong answers above: those that type the numbers in or take them from the package's own run
+    "11.pipeline": (_pipeline_weights_copied_in, _pipeline_typed_losses),
+    "11.tensor_data": (_tensor_data_steps_set_by_hand, _tensor_data_typed_losses),
+    "12.zero3_generate": (_generate_on_a_copy_made_first, _generate_typed_tokens),
+    "07.init_inference": (_inference_mp_size_two, _inference_tp_size_three),
+}
+# What the tests below check, declared for tests/test_redteam_coverage.py
+REDTEAM = {exercise_id: {"wrong": list(wrong), "right": list(right), "hard_coded": list(HARD_CODED[exercise_id])}
+           for exercise_id, (wrong, right) in CASES.items()}
+
 
 def prepare_all_on_ranks():
     """The answers of this file that run on ranks (within support.run_rank_exercises_together)."""

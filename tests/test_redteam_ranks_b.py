@@ -348,3 +348,34 @@ def test_trainer_steps_refuses_the_reference_and_accepts_two_other_counts():
     refused("14.trainer_steps", _steps_of_the_chapters_run, "your function gives")
     accepted("14.trainer_steps", _steps_by_ceiling_division)
     accepted("14.trainer_steps", _steps_by_walking_the_loader)
+
+
+# ---------------------------------------------------------------------------------------------- the declaration
+
+REDTEAM = {   # what the tests above check, declared for tests/test_redteam_coverage.py
+    "03.engine_loop": {"wrong": list(ENGINE_LOOP_WRONG), "right": list(ENGINE_LOOP_RIGHT),
+                       "hard_coded": [ENGINE_LOOP_WRONG[2][0]]},   # the chapter's 4 accumulation steps written in
+    "13.profiled_flops": {"wrong": list(PROFILE_WRONG), "right": list(PROFILE_RIGHT),
+                          "hard_coded": [_trained_then_counted_by_hand, _the_chapters_profiler_count]},
+    "03.fix_loop": {
+        "wrong": [(_the_chapters_big_batch, "no accumulation: one forward pass over"),
+                  (_two_micro_batches_per_forward, "no accumulation: one forward pass over"),
+                  (_losses_summed_then_one_backward, "one backward through")],
+        "right": [_row_by_row_backwards, _token_weighted],
+        "hard_coded": [_the_chapters_big_batch],
+    },
+    "13.forward_flops": {
+        "wrong": [(_flops_from_the_reference, "gets its number from dslab.precision.mfu.forward_flops"),
+                  (_flops_through_a_helper, "gets its number from dslab.precision.mfu.forward_flops"),
+                  (_flops_of_the_chapters_shape, "your function gives 5,923,766,272")],
+        "right": [_flops_term_by_term, lambda config, b, s: _flops_term_by_term(config, b, s) + 0],   # as the test
+        "hard_coded": [_flops_from_the_reference, _flops_through_a_helper, _flops_of_the_chapters_shape],
+    },
+    "14.trainer_steps": {
+        "wrong": [(_steps_from_dslabs_planner, "gets its number from dslab.training.sft_plan.trainer_steps"),
+                  (_Planner().steps, "gets its number from dslab.exercises.ch14.trainer_steps_reference"),
+                  (_steps_of_the_chapters_run, "your function gives")],
+        "right": [_steps_by_ceiling_division, _steps_by_walking_the_loader],
+        "hard_coded": [_steps_from_dslabs_planner, _steps_of_the_chapters_run],
+    },
+}

@@ -125,6 +125,17 @@ def diagnose_average_gradients(case, results):
     if everywhere(lambda r: [g / n for g in r["local"]]):
         raise Mistake("each rank divided its own gradients by world size without all-reducing them: no rank "
                       "saw another rank's gradients.")
+    holding = [rank for rank, r in enumerate(tensors) if equal(r["after"], r["full"])]
+    if holding:
+        others = [rank for rank in range(len(tensors)) if rank not in holding]
+
+        def ranks(which):
+            return ("rank " if len(which) == 1 else "ranks ") + ", ".join(map(str, which))
+
+        raise Mistake(f"on {n} ranks only {ranks(holding)} ended with the mean gradients, not {ranks(others)}: every "
+                      "rank steps its own optimizer with its own p.grad, so every rank needs the mean. dist.reduce "
+                      "leaves the sum on its dst rank only; call dist.all_reduce(p.grad) on every rank, then divide "
+                      "by dist.get_world_size().")
     missed = [i for i in range(count) if not all(equal([r["after"][i]], [r["full"][i]]) for r in tensors)]
     if len(missed) < count:
         shapes = ", ".join(str(tuple(tensors[0]["full"][i].shape)) for i in missed)

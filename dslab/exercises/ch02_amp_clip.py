@@ -3,7 +3,8 @@
 max_norm and overflowing steps it draws at check time, each step starting from the reference run's weights and loss
 scale, records on every step what the optimizer was given (whether it stepped at all, the gradients it applied, how
 the weights moved, the scale after the step), and compares each step with the reference step's; the first step that
-differs names the mistake. An answer that calls dslab's reference step is refused. Registered when
+differs names the mistake, unless one of the answer's forward passes did not run under fp16 autocast (fp32, or
+bf16): then that is the mistake named. An answer that calls dslab's reference step is refused. Registered when
 dslab.exercises.ch02 imports it.
 
 On an overflowing step the targets are multiplied by SPIKE: the loss stays finite, but its gradients, multiplied by
@@ -132,9 +133,9 @@ def run_steps(step_fn, case, watch=False, starts=None):
     before it (the gradients stay as the previous step left them), so every step is judged on its own, and a
     difference of a fraction of a percent on one step (clip_grad_norm_'s 1e-6) does not grow over the next ones.
     Returns {"steps": [per step: stepped (the optimizer's step ran), grads (what it applied), norm, finite, zero,
-    scale_before, scale (after the step), delta (how each weight changed)], "starts": [weights and scaler state
-    before each step]}. watch: raise CallsReference after a step in which step_fn ran dslab's reference step (seen
-    with sys.setprofile)."""
+    scale_before, scale (after the step), delta (how each weight changed), autocast (the dtype autocast gave each
+    forward of the step, None where it was off)], "starts": [weights and scaler state before each step]}. watch:
+    raise CallsReference after a step in which step_fn ran dslab's reference step (seen with sys.setprofile)."""
     import torch
 
     x, y, new_model = amp_problem(rows=case["rows"], d_out=case["d_out"], offset=OFFSET)
@@ -142,9 +143,15 @@ def run_steps(step_fn, case, watch=False, starts=None):
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=LR)
     scaler = torch.amp.GradScaler("cpu")
-    applied = []
+    applied, forwards = [], []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(
         [None if p.grad is None else p.grad.detach().clone() for p in params]))
+
+    def autocast_dtype(module, args):   # the dtype autocast gives a forward autograd records; None: fp32, no autocast
+        if torch.is_grad_enabled():
+            forwards.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+
+    model.register_forward_pre_hook(autocast_dtype)
     reference, called = reference_amp_clip_step.__code__, []
 
     def spy(frame, event, arg):
@@ -158,7 +165,7 @@ def run_steps(step_fn, case, watch=False, starts=None):
             scaler.load_state_dict(starts[step]["scaler"])
         start_states.append({"weights": {k: v.clone() for k, v in model.state_dict().items()},
                              "scaler": scaler.state_dict()})
-        before, scale_before = len(applied), scaler.get_scale()
+        before, scale_before, forwards_before = len(applied), scaler.get_scale(), len(forwards)
         targets = y * SPIKE if step in case["overflow_steps"] else y
         previous = sys.getprofile()
         if watch:
@@ -172,7 +179,8 @@ def run_steps(step_fn, case, watch=False, starts=None):
             raise CallsReference()
         grads = applied[-1] if len(applied) > before else None
         row = {"stepped": grads is not None, "grads": grads, "scale_before": scale_before, "scale": scaler.get_scale(),
-               "delta": {k: v - start_states[-1]["weights"][k] for k, v in model.state_dict().items()}}
+               "delta": {k: v - start_states[-1]["weights"][k] for k, v in model.state_dict().items()},
+               "autocast": forwards[forwards_before:]}
         if grads is not None:
             present = [g for g in grads if g is not None]
             row["finite"] = all(bool(torch.isfinite(g).all()) for g in present)
@@ -258,6 +266,25 @@ def diagnose(got, want, case):
     return None
 
 
+def autocast_mistake(got):
+    """The mistake of a run one of whose forward passes did not run under fp16 autocast (autocast off: fp32; or
+    autocast to bf16), else None. Without fp16 these gradients neither underflow nor overflow, so the scaler has
+    nothing to do, and the steps differ from the reference's for that reason, whatever the scaler calls."""
+    import torch
+
+    off = [d for row in got["steps"] for d in row["autocast"] if d != torch.float16]
+    if not off:
+        return None
+    if off[0] is None:
+        return ("the forward ran in fp32, without autocast: write the forward and the loss under "
+                "torch.autocast('cpu', dtype=torch.float16). In fp32 no gradient underflows and none overflows, "
+                "so the loss scaling this step is about has nothing to do")
+    bf16 = (". bf16 keeps fp32's range: nothing underflows or overflows, and it needs no GradScaler"
+            if off[0] == torch.bfloat16 else "")
+    return (f"the forward ran under autocast to {off[0]}, not float16: this is fp16's step, "
+            f"torch.autocast('cpu', dtype=torch.float16){bf16}")
+
+
 def _learner_run(step_fn, case, want):
     try:
         return run_steps(step_fn, case, watch=True, starts=want["starts"])
@@ -325,7 +352,8 @@ def check_amp_clip(step_fn):
     if not callable(step_fn):
         raise Mistake("answer with the function itself: answer = my_amp_step")
     case, want = amp_case()
-    wrong = diagnose(_learner_run(step_fn, case, want), want, case)
+    got = _learner_run(step_fn, case, want)
+    wrong = diagnose(got, want, case)
     if wrong:
-        raise Mistake(wrong)
+        raise Mistake(autocast_mistake(got) or wrong)
     return True

@@ -4,9 +4,9 @@ DeepSpeed run with accumulation, written by the learner and run on 2 and 3 ranks
 Solutions: notebooks/solutions/03_solutions.py."""
 import random
 
-from dslab.training.accumulation import (big_batch_backward, count_targets, equivalent, grads, small_lm, split,
-                                token_batch)
-from dslab.exercises import Mistake, engine_loop, exercise, expect, loops
+from dslab.training.accumulation import (accumulate_backward, big_batch_backward, count_targets, equivalent, grads,
+                                         small_lm, split, token_batch)
+from dslab.exercises import Mistake, engine_loop, exercise, expect, loops, references
 
 
 # 03.grad_accum_steps: train_batch_size 512 on 16 ranks with a micro batch of 4.
@@ -169,6 +169,11 @@ def _check_fix_loop(fn):
     if mistake is not None:
         raise mistake
     if set(got) == set(want) and equivalent(got, want):
+        leaned = references.leaned_on(fn, (accumulate_backward,))
+        if leaned:
+            raise Mistake(f"your loop hands the work to {leaned}, the chapter's own loop (printed at the start of "
+                          "the chapter): write the loop itself, forward and backward on each micro-batch in turn, "
+                          "each loss / len(micro_batches)")
         return True
     s = _multiple_of_reference(got, want) if set(got) == set(want) else None
     if s is not None and abs(s - k) < 1e-3:

@@ -2,7 +2,7 @@
 
 Solutions: notebooks/solutions/05_solutions.py."""
 from dslab.data import IGNORE_INDEX
-from dslab.exercises import Mistake, exercise, expect
+from dslab.exercises import Mistake, exercise, expect, references
 from dslab.training.sft import DEFAULT_AUTHOR, DEFAULT_NAME, load_chats
 
 # A few wrong label-masking functions a learner writes (the checker must name each mistake).
@@ -79,6 +79,11 @@ def check_mask_prompt(mask_prompt, tokenizer=None):
         if not learned:
             raise Mistake("no token carries a label, so the loss has nothing to learn: keep the answer's ids")
         prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+        header = prompt[len(tokenizer.apply_chat_template(messages[:-1], tokenize=False)):]   # the generation prompt
+        if header and learned.startswith(header):
+            raise Mistake(f"the assistant's header {header!r} carries labels: it is the template's, part of the "
+                          "prompt, which apply_chat_template(messages[:-1], tokenize=False, "
+                          "add_generation_prompt=True) renders with that header at its end; label from the answer on")
         if any(lab != data.IGNORE_INDEX for lab in labels[:prompt_tokens]) or "<|im_start|>" in learned:
             raise Mistake("prompt tokens carry labels: set them to -100 so the model learns to answer, "
                           "not to predict the question and the template")
@@ -90,6 +95,10 @@ def check_mask_prompt(mask_prompt, tokenizer=None):
                           "template, not answer")
         if learned != answer:
             raise Mistake(f"the labelled tokens spell {learned!r}; expected the answer and its end token, {answer!r}")
+    leaned = references.leaned_on(mask_prompt, (data.sft_example,))
+    if leaned:
+        raise Mistake(f"your function gets its labels from {leaned}, the chapter's own masking (section 2 runs it): "
+                      "write the masking yourself, from the chat template's prompt and full text")
     return True
 
 

@@ -161,7 +161,7 @@ def owners_trial(reduce_to_owners, case):
         return (out - target[mine]).abs().max().item()
 
     return {"mean": off(mean), "sum": off(mean * n), "own": off(everyone[rank]), "sent": sent,
-            **owners_bytes(case, rank)}
+            "divided": {k: off(mean * n / k) for k in range(2, 9) if k != n}, **owners_bytes(case, rank)}
 
 
 def diagnose_owners(case, results):
@@ -174,6 +174,10 @@ def diagnose_owners(case, results):
         if r["sum"] < 1e-3:
             raise Mistake(f"rank {rank}'s part is the sum over the {n} ranks ({what}): reduce adds; divide by "
                           "world_size for the mean, as DeepSpeed does (it divides before reducing)")
+        divisor = next((int(k) for k, d in r.get("divided", {}).items() if d < 1e-3), None)
+        if divisor is not None:
+            raise Mistake(f"rank {rank}'s part is the sum over the {n} ranks divided by {divisor} ({what}): divide "
+                          f"by dist.get_world_size(), {n} here, not a number written in")
         said = "still holds its own gradients" if r["own"] < 1e-6 else "is not the mean over the ranks"
         raise Mistake(f"rank {rank}'s part {said} ({what}): the sum of a reduce lands on its dst only (the other "
                       "ranks' buffers are left holding partial sums), so reduce part r to its owner, dst=r, every rank "

@@ -2,6 +2,8 @@
 bytes per parameter, and a bf16-states config run for real.
 
 Solutions: notebooks/solutions/13_solutions.py."""
+import numbers
+
 from dslab.exercises import Mistake, exercise, expect, on_ranks, references, require_valid_config
 
 
@@ -37,7 +39,7 @@ def _diagnose(got, terms, config, batch_size, seq_len):
     if got == total - terms["output head"]:
         return "the output head is missing: one more linear layer, hidden -> vocab, for every token"
     layers, h, heads, kv_heads, d, _, _ = mfu.layer_shape(config)
-    if kv_heads != heads and got == total - 2 * 2 * batch_size * seq_len * layers * h * (heads - kv_heads) * d:
+    if kv_heads != heads and got == total + 2 * 2 * batch_size * seq_len * layers * h * (heads - kv_heads) * d:
         return "k_proj and v_proj produce num_key_value_heads x head_dim features, not hidden_size (grouped-query attention)"
     if got * 2 == total or got == 2 * total:
         return "a multiply-add is 2 FLOPs: count 2 x in x out per token for each linear layer"
@@ -61,11 +63,11 @@ def _check_forward_flops(fn):
     for config, batch_size, seq_len in _configs():
         terms = mfu.forward_flops(config, batch_size, seq_len)
         got = fn(config, batch_size, seq_len)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or got != terms["total"]:
+        number = isinstance(got, numbers.Real) and not isinstance(got, bool)   # numpy's integers are Real too
+        if not number or got != terms["total"]:
             shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} "
                      f"heads / {config.num_key_value_heads} kv heads, vocab {config.vocab_size}, batch {batch_size} "
                      f"x seq {seq_len}")
-            number = isinstance(got, (int, float)) and not isinstance(got, bool)
             why = _diagnose(got, terms, config, batch_size, seq_len) if number else None
             raise Mistake(f"for {shape} the profiler counts {terms['total']:,} FLOPs, your function gives "
                           + (f"{got:,.0f}" if number else repr(got)) + (f": {why}" if why else ""))

@@ -43,6 +43,10 @@ def _ceil_over_all_epochs(n, per_device, world, accum, epochs):
     return math.ceil(n * epochs / (per_device * world * accum))
 
 
+def _no_padding(n, per_device, world, accum, epochs):
+    return epochs * max(1, math.ceil(math.ceil((n // world) / per_device) / accum))
+
+
 def _chapter_number(n, per_device, world, accum, epochs):
     return 180
 
@@ -87,4 +91,7 @@ MISTAKES = ((_dslab_floor, "it drops the short last batch of each epoch, as dsla
                         "step eats per_device x world_size x grad_accum_steps"),
             (_no_accumulation, "it leaves out gradient accumulation: a step runs grad_accum_steps micro-batches"),
             (_ceil_over_all_epochs, "it rounds up once over all epochs: the Trainer rounds up in each epoch (every "
-                                    "epoch ends with its own short step)"))
+                                    "epoch ends with its own short step)"),
+            (_no_padding, "it gives each rank n_examples // world_size examples and drops the rest: the Trainer's "
+                          "loader drops none, it loops back to the first examples to fill the last batches, so every "
+                          "rank runs ⌈n_examples / (world_size x per_device)⌉ batches"))

@@ -1,7 +1,10 @@
 """Whether a learner's function leans on a reference function: the checker's own, or the chapter's, that computes the
-answer the learner is asked to write (13.forward_flops: dslab.precision.mfu.forward_flops; 14.trainer_steps: the
-checker's trainer_steps_reference and dslab.training.sft_plan.trainer_steps). Such an answer is right on every case a
-checker can draw, since the checker compares with that same function: only reading the code tells it apart.
+answer the learner is asked to write (03.fix_loop: dslab.training.accumulation.accumulate_backward, the loop chapter 03
+prints; 05.mask_prompt: dslab.data.sft_example, the masking chapter 05 runs; 13.forward_flops:
+dslab.precision.mfu.forward_flops; 14.trainer_steps: the checker's trainer_steps_reference and
+dslab.training.sft_plan.trainer_steps). Such an answer is right on every case a checker can draw, since the checker
+compares with that same function (or the chapter's function does the very work asked): only reading the code tells it
+apart.
 
 `leaned_on(fn, references)` follows what a function can reach without running it: the names its code (and the code
 of the functions and lambdas defined inside it) reads from its globals, from builtins and from the modules it
