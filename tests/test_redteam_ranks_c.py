@@ -1,8 +1,9 @@
 """Red-team tests of 01.average_gradients, 04.offload_loop, 10.reduce_to_owners, 11.ulysses and 12.uneven_fix: the
-checkers that run a learner's code on launched ranks. What each exercise registers (exercises.get(id).wrong) and what
-tests/test_exercises.py adds (HARD_CODED, EXTRA) are counted; this file adds, per exercise, wrong answers that make
-other mistakes (one of them holding for the chapter's numbers only, or copying the checker's reference), each refused
-with its mistake named, and right answers in unusual but valid forms, each accepted:
+checkers that run a learner's code on launched ranks. What each exercise registers (exercises.get(id).wrong), what
+tests/test_exercises.py adds (HARD_CODED, EXTRA) and tests/test_exercises_parallel.py's HARD_CODED are counted, and
+none repeated; this file adds wrong answers that make other mistakes (one of them holding for the chapter's numbers
+only, or copying the checker's reference), each refused with its mistake named, and right answers in unusual but
+valid forms, each accepted:
 
 - 01.average_gradients: a flat buffer all-reduced once and copied back, and gradients divided first with the
   all-reduces started together, are right; a mean kept on rank 0 (dist.reduce), a flat buffer never copied back and a
@@ -18,8 +19,9 @@ with its mistake named, and right answers in unusual but valid forms, each accep
   made with new_group are right; the checker's one-process attention on gathered slices (no gradient goes back to
   the other ranks), the attention run twice and the call under torch.no_grad() are not;
 - 12.uneven_fix: a fix whose ranks agree on the number of steps with an all_reduce(MAX), given as its text and as the
-  path of the file holding it, is accepted. Each script runs in launches of its own (one per world size): the text
-  costs the 2 launches, and the path none, since the checker judges a script it ran before on that run again.
+  path of the file holding it, is accepted (its four registered wrong fixes stand, one printing the chapter's answer).
+  Each script runs in launches of its own (one per world size): the text costs the 2 launches, and the path none,
+  since the checker judges a script it ran before on that run again.
 
 The answers of the other four run in the launches every rank check of the session shares, one per world size
 (tests/support.py: run_rank_exercises_together, which calls prepare_all_on_ranks below)."""
