@@ -8,6 +8,7 @@ below run exactly what it declares."""
 import functools
 
 import pytest
+import torch
 
 from dslab.exercises import ch03
 
@@ -16,33 +17,31 @@ from support import accepted, refused
 # ---------------------------------------------------------------------------------------------- 02.amp_clip
 
 
-def _fp32_step(model, optimizer, scaler, x, y, max_norm):
-    """The GradScaler step, right in every call, but with no autocast: the forward runs in fp32."""
-    import torch
+def _step_under(autocast_dtype, name):
+    """The GradScaler step, right in every call, but its forward under autocast to `autocast_dtype` (None: no
+    autocast, the forward in fp32) where the exercise asks fp16."""
+    def step(model, optimizer, scaler, x, y, max_norm):
+        import contextlib
 
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    return loss
+        import torch
+
+        optimizer.zero_grad()
+        cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with cast:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    step.__name__ = name
+    return step
 
 
-def _bf16_step(model, optimizer, scaler, x, y, max_norm):
-    """The GradScaler step under autocast to bf16, the other half-precision format of the chapter."""
-    import torch
-
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    return loss
+_fp32_step = _step_under(None, "_fp32_step")
+_bf16_step = _step_under(torch.bfloat16, "_bf16_step")   # the chapter's other half-precision format
 
 
 def _clip_by_the_total_norm(model, optimizer, scaler, x, y, max_norm):
