@@ -376,7 +376,7 @@ REDTEAM = {   # exercise id: wrong answers and words of their mistake, right ans
     "05.mask_prompt": {
         "wrong": [(_the_chapters_masking, "gets its labels from dslab.data.sft_example"),
                   (_the_chapters_tokenize, "gets its labels from dslab.data.sft_example"),
-                  (_header_labelled, "the assistant's header '<|im_start|>assistant\\n' carries labels"),
+                  (_header_labelled, "prompt tokens carry labels: the assistant's header '<|im_start|>assistant\\n'"),
                   (_newline_labelled, "what follows <|im_end|> (the template's newline) carries a label")],
         "right": [_labels_by_character_offsets, _pieces_as_tensors],
         "hard_coded": [_the_chapters_masking, _the_chapters_tokenize],

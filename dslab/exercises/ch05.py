@@ -81,8 +81,8 @@ def check_mask_prompt(mask_prompt, tokenizer=None):
         prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
         header = prompt[len(tokenizer.apply_chat_template(messages[:-1], tokenize=False)):]   # the generation prompt
         if header and learned.startswith(header):
-            raise Mistake(f"the assistant's header {header!r} carries labels: it is the template's, part of the "
-                          "prompt, which apply_chat_template(messages[:-1], tokenize=False, "
+            raise Mistake(f"prompt tokens carry labels: the assistant's header {header!r} is the template's, part "
+                          "of the prompt, which apply_chat_template(messages[:-1], tokenize=False, "
                           "add_generation_prompt=True) renders with that header at its end; label from the answer on")
         if any(lab != data.IGNORE_INDEX for lab in labels[:prompt_tokens]) or "<|im_start|>" in learned:
             raise Mistake("prompt tokens carry labels: set them to -100 so the model learns to answer, "
