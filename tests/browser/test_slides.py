@@ -1,11 +1,11 @@
 """Render every built deck, English and Chinese (slides/zh), in headless Chromium: right slide count, first and middle
 slides not blank, no slide overflowing its canvas (the zh decks with Debian's fonts-noto-cjk)."""
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from support import CHROMIUM_ARGS, sync_playwright
 
 from dslab import course
 from tools import slides, slides_html, slides_source
@@ -45,16 +45,29 @@ def built(tmp_path_factory):
     return {key(p): slides.build_deck(p, out / ("zh" if "/" in key(p) else ""), strict=True).output for p in DECKS}
 
 
-def render(html_path, slide, shot):
-    """Open deck#slide in a fresh headless Chromium; screenshot to shot; return <body>'s data-* attributes."""
-    with tempfile.TemporaryDirectory(prefix="dslab-chromium-") as profile:
-        cmd = [CHROMIUM, *slides_html.CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--hide-scrollbars",
-               f"--window-size={W},{H}", f"--screenshot={shot}", "--dump-dom", f"{html_path.as_uri()}#{slide}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    body = re.search(r"<body([^>]*)>", proc.stdout)
-    assert body, "Chromium returned no DOM"
-    return dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1)))
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for every render (a page each): starting one per slide cost 2 s and a core's second."""
+    if sync_playwright is None:
+        pytest.skip("needs playwright: pip install -e '.[browser]'")
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, "--hide-scrollbars"])
+        yield chromium
+        chromium.close()
+
+
+def render(browser, html_path, slide, shot):
+    """Open deck#slide in a fresh page (no state shared with the last one); screenshot to shot; return <body>'s
+    data-* attributes once the deck's script has set them."""
+    page = browser.new_page(viewport={"width": W, "height": H})
+    try:
+        page.goto(f"{html_path.as_uri()}#{slide}", wait_until="load")
+        page.wait_for_selector("body[data-overflow]", state="attached", timeout=60_000)   # the script's last step
+        page.screenshot(path=str(shot))
+        return page.evaluate("() => Object.fromEntries([...document.body.attributes]"
+                             ".filter(a => a.name.startsWith('data-')).map(a => [a.name.slice(5), a.value]))")
+    finally:
+        page.close()
 
 
 def ink(png):
@@ -80,7 +93,7 @@ def test_the_decks_built_are_the_chapters_notebooks(built):
 
 
 @pytest.mark.parametrize("path", DECKS, ids=[key(p) for p in DECKS])
-def test_deck_renders(path, built):
+def test_deck_renders(path, built, browser):
     n = expected_slides(path.read_text(encoding="utf-8"))
     html_path = built[key(path)]
     assert f'data-slides="{n}"' in html_path.read_text(encoding="utf-8")
@@ -90,7 +103,7 @@ def test_deck_renders(path, built):
     for slide in (1, middle):
         shot = SHOTS / f"{key(path).replace('/', '_')}_{slide}.png"
         shot.unlink(missing_ok=True)
-        state = render(html_path, slide, shot)
+        state = render(browser, html_path, slide, shot)
         # The page's own script saw every slide, opened the one the URL asked for, and fit each on its canvas.
         assert state.get("rendered-slides") == str(n), state
         assert state.get("current") == str(slide), state
