@@ -203,8 +203,9 @@ def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_ba
            "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     result = launch.run_commands(
-        f"deepspeed --num_gpus 2 {script} --model {base_dir} --data {identity_file} --deepspeed_config "
-        f"{tmp_path / 'ds.json'} --output {tmp_path / 'adapter'} --max_steps 1", run_dir=tmp_path, stream=False)
+        f"deepspeed --num_gpus 2 {script} --model {base_dir} --data {identity_file} "
+        f"--general {data.DATA_DIR / 'general_sft.jsonl'} --deepspeed_config {tmp_path / 'ds.json'} "
+        f"--output {tmp_path / 'adapter'} --max_steps 1", run_dir=tmp_path, stream=False)
     assert result.rank0["env"]["LOCAL_SIZE"] == "2" and [r["rank"] for r in result.results] == [0, 1]
 
     tokenizer = loading.load_tokenizer(base_dir)
