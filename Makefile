@@ -59,7 +59,7 @@ RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 
 test: setup
-	@echo "four lanes side by side (about 24 minutes on 2 cores); each lane's output comes when it ends"
+	@echo "four lanes side by side (about 23 minutes on 2 cores); each lane's output comes when it ends"
 	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06 test-notebooks-07-14 \
 		test-browser-exercises-lane
 
