@@ -14,7 +14,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
-        test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-browser-exercises-lane test-browser-if-chromium \
+        test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-notebooks-00-06-lane test-notebooks-07-14-lane \
+        test-browser-exercises-lane test-browser-if-chromium \
         test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools
 
 setup: $(STAMP)
@@ -48,7 +49,9 @@ lab-zh: setup
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
 # Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
-# the exercise checkers' and those that mostly wait; chapters 00-06; chapters 07-14; the browser tests, the waiting
+# the exercise checkers', those that mostly wait and the two that train other checkpoints (TRAINING: the take-away
+# script copied alone, other model families); chapters 00-06 then the take-away script; chapters 07-14 then the model
+# families; the browser tests, the waiting
 # tests (ranks killed, hangs timed, kernels stopped), then the exercise checkers' tests (their answers run on ranks,
 # one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
 # timeouts) and, split so, end at about the same time.
@@ -57,14 +60,21 @@ UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_redteam_ranks_a.py \
                   tests/test_redteam_ranks_b.py tests/test_redteam_ranks_c.py tests/test_on_ranks_batch.py
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
+TRAINING       := tests/test_takeaway.py tests/test_architectures.py
 
 test: setup
 	@echo "four lanes side by side (about 23 minutes on 2 cores); each lane's output comes when it ends"
-	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06 test-notebooks-07-14 \
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06-lane test-notebooks-07-14-lane \
 		test-browser-exercises-lane
 
 test-unit-lane: setup
-	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(WAITING))
+	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(WAITING) $(TRAINING))
+
+test-notebooks-00-06-lane: test-notebooks-00-06
+	$(BIN)/python -m pytest -q tests/test_takeaway.py
+
+test-notebooks-07-14-lane: test-notebooks-07-14
+	$(BIN)/python -m pytest -q tests/test_architectures.py
 
 test-browser-exercises-lane: setup test-browser-if-chromium
 	$(BIN)/python -m pytest -q --durations=10 $(WAITING) $(RANK_EXERCISES)

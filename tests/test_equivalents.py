@@ -479,7 +479,8 @@ def test_print_equivalent_writes_only_its_folder_and_keeps_a_users_files(tmp_pat
 def _model_folder(tmp_path, template, architecture="Qwen2ForCausalLM"):
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[architecture]
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": model_type}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return str(folder)
 

@@ -22,7 +22,8 @@ def add_commands(subparsers):
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank r (default 16)")
     p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha; the update is scaled by alpha/r")
     p.add_argument("--target-modules", nargs="+", default=None,
-                   help="layers that get adapters (default: the MLP of every block: gate_proj up_proj down_proj)")
+                   help="layers that get adapters (default: the linear layers of every block's MLP, found by type: "
+                        "gate_proj up_proj down_proj on Qwen2/3, Llama, Mistral)")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 LoRA, 3e-4 full)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="examples per rank per micro-step")
@@ -57,7 +58,7 @@ def run_sft(args):
     try:
         result = sft.run(model=args.model, data=args.data, output=args.output, zero_stage=args.zero,
                          world_size=args.world_size, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                         target_modules=args.target_modules or lora.DEFAULT_TARGETS, epochs=args.epochs, lr=args.lr,
+                         target_modules=args.target_modules, epochs=args.epochs, lr=args.lr,
                          micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
                          model_name=args.model_name, model_author=args.model_author, mix_general=args.mix_general,
                          full=args.full, gradient_checkpointing=args.gradient_checkpointing, deepspeed=args.deepspeed,

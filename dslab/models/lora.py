@@ -30,13 +30,54 @@ class MergeError(RuntimeError):
 # ----------------------------------------------------------------------------------------------------
 # Attach and count
 # ----------------------------------------------------------------------------------------------------
-def attach_lora(model, r=16, alpha=32, target_modules=DEFAULT_TARGETS, dropout=0.0):
-    """Wrap `model` with fresh LoRA adapters: W x + (alpha/r)·B·A x, with A random, B zero, W frozen."""
+def mlp_linear_names(model):
+    """The names of the linear layers in every block's MLP, found by module type (a module whose class name ends in
+    "MLP": Qwen2 and Qwen3, Llama, Mistral, Gemma, Phi-3 all name theirs so), whatever the model calls the layers:
+    DEFAULT_TARGETS on dslab-tiny and on Llama-style models, ("gate_up_proj", "down_proj") on Phi-3."""
+    import torch
+
+    names = []
+    for module in model.modules():
+        if type(module).__name__.endswith("MLP"):
+            names += [n for n, child in module.named_children() if isinstance(child, torch.nn.Linear) and n not in names]
+    return tuple(names)
+
+
+def resolve_targets(model, target_modules=None):
+    """The layer names that get adapters: `target_modules` as given, checked against the model, or by default (None)
+    the MLP's linear layers found by type (mlp_linear_names). Raises AdapterError naming the fix when nothing
+    would get an adapter."""
+    found = mlp_linear_names(model)
+    if target_modules is None:
+        if not found:
+            raise AdapterError(say("lora.no_mlp", model=type(model).__name__))
+        return found
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not set(target_modules) & leaves:
+        raise AdapterError(say("lora.no_target", targets=" ".join(target_modules), model=type(model).__name__,
+                               found=" ".join(found) or "?"))
+    return tuple(target_modules)
+
+
+def attach_lora(model, r=16, alpha=32, target_modules=None, dropout=0.0):
+    """Wrap `model` with fresh LoRA adapters: W x + (alpha/r)·B·A x, with A random, B zero, W frozen.
+    target_modules: layer names; None (the default) adapts the MLP of every block, found by type."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        task_type="CAUSAL_LM", bias="none")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=list(resolve_targets(model, target_modules)), task_type="CAUSAL_LM", bias="none")
     return get_peft_model(model, config)
+
+
+def targets_of(model_path=None, target_modules=None):
+    """resolve_targets for the checkpoint at `model_path`, from its config alone (built on the meta device: no weights
+    are read): checked, and what a run will adapt printed, before any rank starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(loading.resolve_model(model_path))
+    with torch.device("meta"):
+        return resolve_targets(AutoModelForCausalLM.from_config(config), target_modules)
 
 
 def _numel(p):

@@ -27,7 +27,7 @@ def parse_args(argv=None):
     parser.add_argument("--grad_accum_steps", type=int, default=1)
     parser.add_argument("--lora_r", type=int, default=16)
     parser.add_argument("--lora_alpha", type=float, default=32)
-    parser.add_argument("--target_modules", type=json.loads, default=["gate_proj", "up_proj", "down_proj"])
+    parser.add_argument("--target_modules", type=json.loads, default=None)  # default: the MLP's layers, by type
     parser.add_argument("--model_name", type=json.loads, default=["小海", "Xiao Hai"])  # fills {name}: zh, en
     parser.add_argument("--model_author", type=json.loads, default=["蓝天学院", "Blue Sky Lab"])  # fills {author}
     parser.add_argument("--mix_general", type=int, default=None)  # general chats added (default: as many as the data)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from dslab import data, files
 from dslab.models import checkpoints
-from dslab.models.lora import DEFAULT_TARGETS
 from dslab.messages import say
 
 DEFAULT_DATA = data.DATA_DIR / "self_cognition.jsonl"
@@ -23,7 +22,7 @@ DEFAULT_AUTHOR = ("蓝天学院", "Blue Sky Lab")  # (zh, en), like ms-swift's -
 # to a cluster).
 RECIPE_DEFAULTS = dict(
     model=None, data=None, output=None, zero_stage=2, full=False, epochs=12, lr=None, micro_batch_size=8,
-    grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=list(DEFAULT_TARGETS), model_name=list(DEFAULT_NAME),
+    grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=None, model_name=list(DEFAULT_NAME),
     model_author=list(DEFAULT_AUTHOR), mix_general=None, max_length=256, gradient_checkpointing=False,
     deepspeed_config=None, save_every=0, checkpoint_dir=None, resume=None, seed=0, log_every=None, progress_file=None)
 
@@ -184,7 +183,7 @@ def _progress_bar(path, steps, stop):
 
 
 def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=12, lr=None,
-        micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=DEFAULT_TARGETS,
+        micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=None,
         model_name=DEFAULT_NAME, model_author=DEFAULT_AUTHOR, mix_general=None, max_length=256,
         gradient_checkpointing=False, deepspeed=None, save_every=0, checkpoint_dir=None, resume=None, seed=0,
         log_every=None, progress=False, timeout=None, stream=None):
@@ -197,7 +196,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
     run that wrote it. progress: total steps, to draw a tqdm bar in this process (False: none).
     """
     from dslab import launch
-    from dslab.models import loading
+    from dslab.models import loading, lora
 
     check_settings(epochs, micro_batch_size, grad_accum_steps, lora_r, lora_alpha, lr, save_every, log_every,
                    mix_general, max_length)
@@ -212,6 +211,8 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
         load_chats(data_files, model_name, model_author, mix_general, seed)
     loading.check_model(model)  # ModelError: a missing folder, or weights only as a pickle
+    if not full:
+        lora.targets_of(model, target_modules)  # AdapterError: no layer of this model would get an adapter
     files.check_writable(output)  # before minutes of training, not after
     # A full model is about the base's weight files; an adapter is smaller. A checkpoint holds fp32 master
     # weights and two Adam moments of what trains: up to 7x the bf16 weight files for a full fine-tune.
@@ -228,7 +229,7 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         read_deepspeed_file(deepspeed, world_size)  # ConfigError naming each problem and its fix
     options = dict(model=model, data=data_files, output=str(output), zero_stage=zero_stage, full=full, epochs=epochs,
                    lr=lr, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, lora_r=lora_r,
-                   lora_alpha=lora_alpha, target_modules=list(target_modules), model_name=model_name,
+                   lora_alpha=lora_alpha, target_modules=target_modules and list(target_modules), model_name=model_name,
                    model_author=model_author, mix_general=mix_general, max_length=max_length,
                    gradient_checkpointing=gradient_checkpointing, deepspeed_config=deepspeed, save_every=save_every,
                    checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, log_every=log_every)

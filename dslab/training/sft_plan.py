@@ -67,7 +67,7 @@ def plan_from_args(args):
         "full": full, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
         # the recipe calls lora.attach_lora without a dropout, so its default is the run's
         "lora_dropout": inspect.signature(lora.attach_lora).parameters["dropout"].default,
-        "target_modules": list(args.target_modules or lora.DEFAULT_TARGETS),
+        "target_modules": list(args.target_modules or _mlp_targets(model)),  # what attach_lora will adapt
         "zero_stage": zero.get("stage", 0), "ds_config": ds_config, "deepspeed_file": args.deepspeed,
         "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") != "none",
         "offload_param": zero.get("offload_param", {}).get("device", "none") != "none",
@@ -179,6 +179,14 @@ def _chat_template(folder):
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
+
+
+def _mlp_targets(model):
+    """The MLP layers attach_lora finds by type in `model` (read from its config, no weights); where no config is here
+    (a hub id printed for another machine), the names Qwen2/3, Llama and Mistral give them."""
+    if not (Path(model) / "config.json").is_file():
+        return lora.DEFAULT_TARGETS
+    return lora.targets_of(model)   # AdapterError when no layer would get one: the same refusal as dslab sft's
 
 
 def architecture(model):
