@@ -34,6 +34,7 @@ _FINGERPRINT = re.compile(r"(?<=collectives on ranks\. )Rank (\d+) is running co
                           r"OpType=(\w+)(?:, TensorShape=\[([\d, ]*)\])?")
 _BLOCKED = re.compile(r"^\s*rank (\d+) \(pid \d+\): blocked in (\w+) \(([^)]*)\)"
                       r"(?:, called from (.+):(\d+) \((.+)\))?$", re.MULTILINE)
+_WAITING = re.compile(r"^  rank (\d+)(?: \(pid \d+\))?: (.+)$", re.MULTILINE)
 _OP_TYPES = {"ALLREDUCE": "all_reduce", "BARRIER": "barrier", "ALLGATHER": "all_gather", "BROADCAST": "broadcast",
              "REDUCE_SCATTER": "reduce_scatter", "_REDUCE_SCATTER_BASE": "reduce_scatter",
              "_ALLGATHER_BASE": "all_gather", "ALLTOALL": "all_to_all", "REDUCE": "reduce", "GATHER": "gather",
@@ -100,6 +101,12 @@ def blocked(report):
         found[int(rank)] = {"collective": collective, "where": where, "file": file or None,
                             "line": int(line) if line else None, "function": function or None}
     return dict(sorted(found.items()))
+
+
+def waiting(report):
+    """{rank: where it waits} for every rank a hang report shows, in the report's words ("blocked in all_reduce
+    (...)", "in no collective: at train.py:12 (<module>)", "has exited")."""
+    return {int(rank): where for rank, where in _WAITING.findall(report)}
 
 
 def source_lines(module, *names):

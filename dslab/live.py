@@ -314,6 +314,7 @@ def start(world_size=2, timeout=300, hang_timeout=None):
         engine_pids = [client[r].apply_async(_become_rank, r, world_size, MASTER_ADDR, master_port, cwd, threads)
                        for r in range(world_size)]
         ranks.pids["engines"] = [result.get(timeout) for result in engine_pids]   # in rank order
+        _wait_for_output_path(ranks.view, timeout)
     except BaseException:
         leaders = [pids["controller"], *pids["engines"]] if pids else []
         stop_processes(leaders, _cluster_tree(leaders, profile_dir), STOP_GRACE_S)
@@ -326,6 +327,22 @@ def start(world_size=2, timeout=300, hang_timeout=None):
         ranks.watch_hangs(hang_timeout)
     _activate_magics(ranks.view)
     return ranks
+
+
+def _wait_for_output_path(view, timeout):
+    """Return once a cell run on every rank has its end of output seen here. A %%px cell's output is complete when
+    each engine's "idle" message arrives over ZeroMQ publish/subscribe, which drops what is published before a
+    subscription has reached the publisher; %%px --no-stream then waits for it forever (seen once on a loaded
+    machine: the first %%px cell after start, its ranks long done). A lost probe costs nothing: another is sent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        probe = view.execute("pass", block=False)
+        probe.get(timeout=max(1.0, deadline - time.monotonic()))
+        if probe.wait_for_output(2):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ranks ran a cell, but the end of its output did not reach this process within "
+                               f"{timeout} s")
 
 
 def _activate_magics(view):

@@ -50,6 +50,17 @@ torch_dist.barrier()
 this_rank.save_rank_result({"rank": this_rank.rank(), "waited": time.monotonic() - start})
 """
 
+# Both ranks wait for torch's build lock, as every process that loads a DeepSpeed op does while another one builds it.
+WAITS_FOR_A_BUILD = """
+import argparse
+from torch.utils.file_baton import FileBaton
+from dslab import this_rank
+parser = argparse.ArgumentParser()
+parser.add_argument("--lock")
+FileBaton(parser.parse_args().lock).wait()
+this_rank.save_rank_result({"rank": this_rank.rank()})
+"""
+
 SLEEPER = """
 import sys, time
 def wait_here():
@@ -120,6 +131,29 @@ def test_a_rank_computing_silently_for_twice_the_timeout_is_not_stopped(tmp_path
     assert [r["rank"] for r in result.results] == [0, 1]
     rank0, rank1 = (r["waited"] for r in result.results)
     assert rank0 >= 10.0 and rank1 > 7.5   # rank 0 computed for 2x the timeout; rank 1 waited silently all along
+
+
+def test_ranks_waiting_for_an_op_another_process_builds_are_not_hung_and_a_left_lock_is_named(tmp_path):
+    script, lock = _script(tmp_path, "waits_for_a_build.py", WAITS_FOR_A_BUILD), tmp_path / "op" / "lock"
+    lock.parent.mkdir()
+    # a build outside the job, as torch runs one: ninja, holding the lock, which goes when the build ends
+    (lock.parent / "build.ninja").write_text(f"rule build\n  command = sleep 12 && rm {lock}\nbuild op.so: build\n")
+    lock.touch()
+    builder = subprocess.Popen([shutil.which("ninja"), "-C", str(lock.parent)], stdout=subprocess.DEVNULL)
+    try:
+        result = launch.run(str(script), world_size=2, stream=False, run_dir=tmp_path / "runs", timeout=120,
+                            hang_timeout=4, lock=str(lock))
+    finally:
+        builder.wait(timeout=60)
+    assert [r["rank"] for r in result.results] == [0, 1]   # they waited 12 s, 3x the hang timeout, and went on
+    # a lock that no build holds (a build killed halfway leaves it): that wait never ends, and the report says why
+    lock.touch()
+    with pytest.raises(launch.LaunchError) as failed:
+        launch.run(str(script), world_size=2, stream=False, run_dir=tmp_path / "again", timeout=120, hang_timeout=4,
+                   lock=str(lock))
+    assert_no_strays(script)
+    assert "no rank made progress for 4 s" in str(failed.value)
+    assert str(failed.value).count("waiting for another process to finish a JIT build of a C++ op") == 2
 
 
 # In a process of its own: live.start is idempotent within a process, and this test stops its ranks.

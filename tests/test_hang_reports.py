@@ -75,6 +75,9 @@ def test_blocked_reads_the_report_the_hang_watch_writes():
     report = "job: no rank made progress for 10 s. Where each rank waits:\n" + "\n".join(lines) + "\n"
     assert hang_reports.blocked(report) == {0: {"collective": "barrier", "where": "distributed_c10d.py:5356",
                                          "file": "log_metric.py", "line": 24, "function": "<module>"}}
+    assert hang_reports.waiting(report + "  rank 2: has exited\n") == {
+        0: "blocked in barrier (distributed_c10d.py:5356), called from log_metric.py:24 (<module>)",
+        1: "in no collective: at sleeper.py:3 (wait_here)", 2: "has exited"}
 
 
 def test_line_of_and_source_lines(tmp_path):

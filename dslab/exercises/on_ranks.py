@@ -139,6 +139,10 @@ def _launch(jobs, world_size):
                               "ranks were stopped: a collective that not every rank calls waits forever. Call every "
                               "collective, and everything that calls one (deepspeed.initialize, engine.step), on "
                               "every rank.") from None
+            if waits := hang_reports.waiting(report):   # a hang outside any collective: where each rank was
+                said = "; ".join(f"rank {r} {w}" for r, w in sorted(waits.items()))
+                raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
+                              "ranks were stopped.") from None
             last = [line.strip() for line in report.splitlines() if line.strip()][-3:]
             raise Mistake(f"the ranks running your code failed on {world_size} ranks: " + " / ".join(last)) from None
     return [rank_result["jobs"] for rank_result in result.results]

@@ -13,10 +13,12 @@ a gloo collective sleeps in a socket read (measured here: 0.2-0.3 % of a core, i
 that computes without printing (a long evaluation, a JIT build in a child process) burns CPU; a rank that prints is
 alive even when it waits. CPU is summed over the whole window, not per poll, so a helper thread that wakes now and
 then cannot pass for work. Not counted: socket and disk I/O (live ranks' heartbeats move those while a rank hangs).
-Limits, stated: a rank waiting without CPU on something outside the job (a network file system, a download, another
-process's JIT build of an op: torch's build lock) for longer than S looks hung, so choose S above the longest such
-wait; on GPUs, CUDA's default synchronisation may busy-wait when cores are free, so a host thread waiting for a hung
-NCCL kernel can look busy (not verified here).
+Before a job is called hung, its stacks are read: a rank waiting for torch's build lock while a compiler runs on this
+machine waits for another process's JIT build of an op (a second notebook, another learner on a shared account),
+which it loads once that build ends: no hang, and the window starts again.
+Limits, stated: a rank waiting without CPU on something else outside the job (a network file system, a download)
+for longer than S looks hung, so choose S above the longest such wait; on GPUs, CUDA's default synchronisation may
+busy-wait when cores are free, so a host thread waiting for a hung NCCL kernel can look busy (not verified here).
 """
 import json
 import math
@@ -51,6 +53,10 @@ CANONICAL = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allg
              "alltoall": "all_to_all"}
 # Where a collective is issued or waited for: torch.distributed, deepspeed.comm, and ZeRO's gather/reduce handles.
 COMM_PATHS = ("/torch/distributed/", "/deepspeed/comm/", "/deepspeed/runtime/zero/")
+# torch.utils.cpp_extension's lock around a JIT build: a process that finds it taken sleeps in this frame until it goes
+BUILD_LOCK_WAIT = "FileBaton.wait"
+# processes that run while an op is built: torch drives every JIT build through ninja, which runs the compiler
+BUILDERS = frozenset({"ninja", "cc1plus", "c++", "g++", "clang++", "nvcc", "cicc", "ptxas", "ld", "collect2"})
 LIBRARY_PATHS = tuple({str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("purelib", "platlib", "stdlib")})
 
 
@@ -214,10 +220,20 @@ def where_blocked(threads, pid):
         return None, "no Python frame (it may be starting or finishing)"
     own = next((f for f in frames if is_user_frame(f)), frames[0])
     where = f"in no collective: at {_place(own)} ({own['name']})"
-    if any(f["name"].endswith("FileBaton.wait") for f in frames):
+    if waits_for_build(frames):
         where += (", waiting for another process to finish a JIT build of a C++ op (torch's build lock); if no "
                   "build runs, a killed one left its `lock` file in the op's folder under ~/.cache/torch_extensions")
     return None, where
+
+
+def waits_for_build(frames):
+    """True when these frames (one thread's) sleep on torch's build lock."""
+    return any(f["name"].endswith(BUILD_LOCK_WAIT) for f in frames)
+
+
+def building_here():
+    """True while a compiler, or the ninja that drives it, runs on this machine."""
+    return any(proc.info["name"] in BUILDERS for proc in psutil.process_iter(["name"]))
 
 
 def format_threads(threads, pid):
@@ -239,7 +255,8 @@ def format_threads(threads, pid):
 
 
 def dump_ranks(ranks, seen=()):
-    """Read every rank's stack (in parallel): [(rank, collective or None, one-line summary, stacks text)] by rank.
+    """Read every rank's stack (in parallel): [(rank, collective or None, one-line summary, stacks text, whether it
+    waits for torch's build lock)] by rank.
 
     ranks: {rank: [processes]} (its own process first); seen: every rank known so far (those gone: "has exited")."""
     def one(item):
@@ -248,28 +265,34 @@ def dump_ranks(ranks, seen=()):
         try:
             threads = read_stack(pid)
         except StackUnreadable as exc:
-            return rank, None, f"rank {rank} (pid {pid}): stack not read: {exc}", ""
+            return rank, None, f"rank {rank} (pid {pid}): stack not read: {exc}", "", False
         collective, where = where_blocked(threads, pid)
         return (rank, collective, f"rank {rank} (pid {pid}): {where}",
-                f"--- rank {rank} (pid {pid}), py-spy dump ---\n{format_threads(threads, pid)}")
+                f"--- rank {rank} (pid {pid}), py-spy dump ---\n{format_threads(threads, pid)}",
+                any(waits_for_build(t["frames"]) for t in threads))
 
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(ranks)))) as pool:
         found = list(pool.map(one, ranks.items()))
-    found += [(r, None, f"rank {r}: has exited", "") for r in sorted(set(seen) - set(ranks))]
+    found += [(r, None, f"rank {r}: has exited", "", False) for r in sorted(set(seen) - set(ranks))]
     return sorted(found, key=lambda item: item[0])
 
 
 def hang_report(watch, name="the job"):
-    """The hang, as text: what was measured, where each rank is blocked, then every rank's stack."""
+    """The hang, as text: what was measured, where each rank is blocked, then every rank's stack. None when it is
+    no hang (a rank waits for torch's build lock while a compiler runs here, see the module docstring): the watch's
+    window then starts again."""
     found = dump_ranks(watch.ranks, watch.seen)
+    if any(build for *_, build in found) and building_here():
+        watch.restart()
+        return None
     used = ", ".join(f"rank {r} {s:.2f} s" for r, s in sorted(watch.window_cpu.items()))
     text = (f"{name}: no rank made progress for {watch.timeout:g} s (no line printed; CPU time in that window: "
             f"{used or 'none'}, each below {watch.busy_fraction:.0%} of a core), so it hangs. Where each rank waits:\n"
-            + "".join(f"  {summary}\n" for _, _, summary, _ in found))
-    if len({collective for _, collective, _, _ in found}) > 1:
+            + "".join(f"  {summary}\n" for _, _, summary, _, _ in found))
+    if len({collective for _, collective, _, _, _ in found}) > 1:
         text += ("The ranks disagree on which collective comes next: one was skipped or added on some ranks "
                  "(a rank-dependent `if`, loops or generations of different lengths).\n")
-    return text + "\n".join(stacks for _, _, _, stacks in found if stacks)
+    return text + "\n".join(stacks for _, _, _, stacks, _ in found if stacks)
 
 
 def watch_in_background(timeout, find_ranks, working, printed, on_hang, name="the ranks"):
@@ -287,8 +310,8 @@ def watch_in_background(timeout, find_ranks, working, printed, on_hang, name="th
             if printed() != seen:
                 seen = printed()
                 watch.output()
-            if watch.stalled():
-                on_hang(hang_report(watch, name))
+            if watch.stalled() and (report := hang_report(watch, name)) is not None:
+                on_hang(report)
                 return
 
     thread = threading.Thread(target=loop, name="dslab-hang-watch", daemon=True)

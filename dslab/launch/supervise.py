@@ -190,9 +190,8 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None,
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(say("launch.timeout", name=name, timeout=timeout))
-            if watch is not None and watch.stalled():
-                # the stacks are read while the ranks still wait, before anything is stopped
-                report = hang.hang_report(watch, name)
+            # the stacks are read while the ranks still wait, before anything is stopped
+            if watch is not None and watch.stalled() and (report := hang.hang_report(watch, name)) is not None:
                 atomic_write_text(Path(log_dir) / "hang.txt", report + "\n")
                 raise LaunchError(f"{report}\n" + say("launch.hang_stopped", log_dir=log_dir))
             time.sleep(0.1)

@@ -67,6 +67,10 @@ def learners(tmp_path_factory):
     shared = {"tmp": Path("/tmp"), "home": Path.home(), "shm": Path("/dev/shm")}   # what every account shares
     before = {where: _entries(folder) for where, folder in shared.items()}
     start = time.time()
+    # The kit's Python by its own path, as the hub's kernel runs /opt/dslab/.venv/bin/python: DeepSpeed's JIT ops are
+    # built from its sources' paths, and a process that sees them through a learner's link (~/dslab/.venv) would
+    # rebuild the shared ops from the new paths, while every other learner's ranks wait on torch's build lock.
+    venv_bin = ROOT / ".venv" / "bin"
     runs = {}
     for name in LEARNERS:
         # as on a server: /home/NAME, the learner's copy of the course in it, a temporary folder of their own
@@ -80,12 +84,12 @@ def learners(tmp_path_factory):
                    # the compiled ops, built once for the server's account (make setup); a learner's own account
                    # builds its own on first use
                    TORCH_EXTENSIONS_DIR=get_default_build_root(),
-                   PATH=f"{course / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-        command = [str(course / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}")
+        command = [str(venv_bin / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    "--nbval", *CHAPTERS, "--nbval-current-env", "--nbval-sanitize-with", "tests/sanitize.cfg",
                    "--nbval-cell-timeout=1200"]
         procs = [subprocess.Popen(cmd, cwd=course, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for cmd in (command, [str(course / ".venv" / "bin" / "python"), "-c", CHECKS])]
+                 for cmd in (command, [str(venv_bin / "python"), "-c", CHECKS])]
         runs[name] = (home, tmp, procs)
     results = {}
     for name, (home, tmp, procs) in runs.items():
