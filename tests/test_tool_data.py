@@ -76,3 +76,5 @@ def test_tool_commands_are_parsed_as_typed_and_refused_when_unknown_or_not_built
     with pytest.raises(LaunchError, match="make swift"):
         tools.run_tool("NPROC_PER_NODE=2 swift sft --model m", tmp_path / "logs")
     assert "make llamafactory" in tools.not_built_note("llamafactory-cli")
+    with pytest.raises(LaunchError, match="make llamafactory"):
+        tools.trainer_defaults("llamafactory-cli", ["weight_decay"])

@@ -80,6 +80,15 @@ def adapter_numel(path):
     return sum(t.numel() for t in tensors.values())
 
 
+@pytest.mark.parametrize("command", tools.VENVS)
+def test_trainer_defaults_are_read_in_the_tools_venv(command):
+    if not tools.built(command):
+        pytest.skip(tools.not_built_note(command))
+    # transformers' TrainingArguments, at the tool's own pin: what a run uses where its command or YAML says nothing
+    assert tools.trainer_defaults(command, ["adam_beta1", "adam_beta2", "weight_decay", "lr_scheduler_type"]) == {
+        "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_scheduler_type": "linear"}
+
+
 def test_swift_command_runs_as_printed(tmp_path, monkeypatch):
     if not tools.built("swift"):
         pytest.skip("ms-swift's venv is not built: make swift")

@@ -2,6 +2,7 @@
 `llamafactory-cli`, built by `make swift` / `make llamafactory` beside dslab's .venv. Their command lines run as
 typed, with the tool's venv first on PATH; several lines are the nodes of one job, started together on this
 machine. Each node's whole output goes to a log file; the cell shows the command and where the log is."""
+import json
 import os
 import re
 import shlex
@@ -140,6 +141,28 @@ def run_tool(lines, log_dir, timeout=3600, show=True):
     if show:
         print(f"exit 0; output in {', '.join(str(log) for log in logs)}", flush=True)
     return logs
+
+
+# Run by a tool venv's own Python: the defaults of the TrainingArguments installed there, as JSON.
+_TRAINER_DEFAULTS = """
+import dataclasses, enum, json, sys
+import transformers
+found = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
+print(json.dumps({n: found[n].value if isinstance(found[n], enum.Enum) else found[n] for n in sys.argv[1:]}))
+"""
+
+
+def trainer_defaults(command, names):
+    """{name: default} of the Hugging Face TrainingArguments in the venv of `command` (the Trainer that the tool
+    runs, at the tool's own transformers pin), read by that venv's Python: what a tool's run uses for each setting
+    its command line or YAML leaves out."""
+    bin_dir = venv_bin(command)
+    if bin_dir is None:
+        raise LaunchError(not_built_note(command))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # the tool's packages, not dslab's
+    done = subprocess.run([str(bin_dir / "python"), "-c", _TRAINER_DEFAULTS, *names], capture_output=True, text=True,
+                          env=env, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def venv_facts():

@@ -117,7 +117,9 @@ def main(args):
     if args.full:  # under ZeRO-3 both gather the partitioned weights first: every rank must call them
         lora.save_full_model(engine.module, tokenizer, args.output)
     else:
-        lora.save_adapter(engine.module, args.output, extra_files={"loss_log.json": json.dumps(log)})
+        # beside the adapter: its loss log, and the DeepSpeed config it trained with (optimizer and schedule included)
+        lora.save_adapter(engine.module, args.output,
+                          extra_files={"loss_log.json": json.dumps(log), "ds_config.json": json.dumps(config, indent=1)})
     # what the notebooks read off each rank; a no-op when the script runs outside dslab.launch
     sft.save_run_result(engine, examples, tokenizer, log, steps, start, seed=args.seed, train_seconds=train_seconds)
 
