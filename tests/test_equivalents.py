@@ -578,3 +578,17 @@ def test_the_readme_example_is_what_the_command_prints(tmp_path, capsys, monkeyp
     assert len(shown) > 5
     positions = [printed.index(line) for line in shown]  # ValueError if a line is not printed
     assert positions == sorted(positions)
+
+
+def test_a_printed_command_reads_back_as_flags_and_compares_with_a_typed_one():
+    printed = ("# a comment that names swift sft --not_a_flag\ncd /somewhere\nNPROC_PER_NODE=2 swift sft \\\n"
+               "    --model /abs/m \\\n    --dataset a/b c.jsonl \\\n    --learning_rate 0.002 \\\n"
+               "    --model_name '翊岫' Yixiu \\\n    --weight_decay 0.0\n")
+    typed = "NPROC_PER_NODE=2 swift sft --model m --dataset a/b c.jsonl --learning_rate 2e-3 --model_name 翊岫 Yixiu --seed 0"
+    flags = equivalents.command_flags(printed)
+    assert flags == {"--model": "/abs/m", "--dataset": "a/b c.jsonl", "--learning_rate": "0.002",
+                     "--model_name": "翊岫 Yixiu", "--weight_decay": "0.0"}
+    # 2e-3 and 0.002 are one value; a flag one side leaves to the tool's default is a difference
+    assert equivalents.flag_differences(equivalents.command_flags(typed), flags) == [
+        ("--model", "m", "/abs/m"), ("--weight_decay", None, "0.0"), ("--seed", "0", None)]
+    assert equivalents.command_flags("FORCE_TORCHRUN=1 llamafactory-cli train x.yaml", "llamafactory-cli") == {}

@@ -440,3 +440,42 @@ def _yaml_value(value):
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a YAML double-quoted scalar
+
+
+# ---- reading a printed command back, to compare it with one typed by hand (chapter 14) ----------------------------
+
+def command_line(text, tool="swift"):
+    """The first `tool ...` command line in `text` (a printout, or a command as typed), continuation backslashes
+    joined: one line, as tools.run_tool takes it."""
+    lines = text.replace("\\\n", " ").splitlines()
+    return " ".join(next(line for line in lines if f" {tool} " in f" {line} " and not line.lstrip().startswith("#"))
+                    .split())
+
+
+def command_flags(text, tool="swift"):
+    """{flag: value} of the first `tool ...` command line in `text` (see command_line): split as a shell would, each
+    --flag taking the words up to the next --flag ("" for none)."""
+    words = shlex.split(command_line(text, tool))
+    flags, current = {}, None
+    for word in words[words.index(tool) + 1:]:
+        if word.startswith("--"):
+            current = word
+            flags[current] = []
+        elif current is not None:
+            flags[current].append(word)
+    return {flag: " ".join(values) for flag, values in flags.items()}
+
+
+def _same_value(a, b):
+    try:
+        return math.isclose(float(a), float(b))   # 2e-3 and 0.002 are one learning rate
+    except (TypeError, ValueError):
+        return a == b
+
+
+def flag_differences(typed, printed):
+    """[(flag, value typed, value printed)] for every flag whose value differs between two {flag: value} (None where
+    one of them leaves the flag to the tool's default), in the printed command's order."""
+    order = list(printed) + [flag for flag in typed if flag not in printed]
+    return [(flag, typed.get(flag), printed.get(flag)) for flag in order
+            if not (flag in typed and flag in printed and _same_value(typed[flag], printed[flag]))]
