@@ -78,3 +78,17 @@ def test_tool_commands_are_parsed_as_typed_and_refused_when_unknown_or_not_built
     assert "make llamafactory" in tools.not_built_note("llamafactory-cli")
     with pytest.raises(LaunchError, match="make llamafactory"):
         tools.trainer_defaults("llamafactory-cli", ["weight_decay"])
+
+
+def test_log_lines_shows_a_tools_own_words_the_same_on_every_machine(tmp_path):
+    venv_python = tools.ROOT / ".venv-swift" / "bin" / "python3.12"
+    sft_py = tools.ROOT / ".venv-swift" / "lib" / "python3.12" / "site-packages" / "swift" / "cli" / "sft.py"
+    log = tmp_path / "node0.log"
+    log.write_text(f"run sh: `{venv_python} -m torch.distributed.run {sft_py} --model m`\n"
+                   "[INFO|2026-12-06 10:04:53] llamafactory.model.loader:144 >> trainable params: 181,248\n"
+                   "[INFO|trainer.py:1478] 2026-12-06 10:04:55,220 >>   Total optimization steps = 180\n"
+                   "[INFO:swift] swift.__version__: 4.6.0\n[INFO:swift] swift.__version__: again\n" + "x" * 300 + "\n")
+    assert tools.log_lines(log, [r"Total optimization", r"^run sh", r"__version__", r"trainable", r"^x", r"absent"]) == [
+        "run sh: `.venv-swift/bin/python -m torch.distributed.run swift/cli/sft.py --model m`",
+        "trainable params: 181,248", "Total optimization steps = 180", "swift.__version__: 4.6.0",
+        "x" * 146 + " ..."]

@@ -143,6 +143,29 @@ def run_tool(lines, log_dir, timeout=3600, show=True):
     return logs
 
 
+# A log line's own prefix, left out when it is shown: "[INFO|2026-12-06 10:04:53] llamafactory.model.loader:144 >> ",
+# "[INFO|trainer.py:1478] 2026-12-06 10:04:55,220 >> ", "[INFO:swift] "
+_LOG_PREFIX = re.compile(r"^\[(INFO|WARNING)[^\]]*\]\s*(\S+ \S+ )?(\S+ )?>>\s*|^\[(INFO|WARNING):\w+\]\s*")
+
+
+def log_lines(log, patterns, width=150):
+    """The first line of a tool's log that matches each regex in `patterns`, in the log's order: without its logging
+    prefix, paths under the kit shown relative to it (the same on every machine), cut at `width` characters."""
+    text = Path(log).read_text(encoding="utf-8", errors="replace")
+    found = {}
+    for number, line in enumerate(text.splitlines()):
+        for pattern in patterns:
+            if pattern not in found and re.search(pattern, line):
+                found[pattern] = (number, line)
+    shown = []
+    for _, line in sorted(found.values()):
+        line = _LOG_PREFIX.sub("", line.strip()).replace(f"{ROOT}{os.sep}", "")
+        line = re.sub(r"\.venv-\w+/lib/python[\d.]+/site-packages/", "", line)
+        line = re.sub(r"bin/python[\d.]*\b", "bin/python", line)   # whichever Python the venv was made from
+        shown.append(line if len(line) <= width else line[:width - 4] + " ...")
+    return shown
+
+
 # Run by a tool venv's own Python: the defaults of the TrainingArguments installed there, as JSON.
 _TRAINER_DEFAULTS = """
 import dataclasses, enum, json, sys
