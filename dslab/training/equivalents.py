@@ -448,8 +448,7 @@ def command_line(text, tool="swift"):
     """The first `tool ...` command line in `text` (a printout, or a command as typed), continuation backslashes
     joined: one line, as tools.run_tool takes it."""
     lines = text.replace("\\\n", " ").splitlines()
-    return " ".join(next(line for line in lines if f" {tool} " in f" {line} " and not line.lstrip().startswith("#"))
-                    .split())
+    return next(line for line in lines if f" {tool} " in f" {line} " and not line.lstrip().startswith("#")).strip()
 
 
 def command_flags(text, tool="swift"):
