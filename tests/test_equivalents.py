@@ -25,6 +25,7 @@ import yaml
 from dslab.config import build
 from dslab.training import equivalents, sft, sft_plan
 from dslab.cli import build_parser, main
+from dslab.launch import tools
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL_CACHE = Path(os.environ.get("DSLAB_WHEEL_CACHE", Path.home() / ".cache" / "dslab-wheels"))
@@ -215,17 +216,10 @@ def plan_for(tmp_path, monkeypatch):
 
 def swift_command(text):
     """({flag: [values]}, env) of the `swift sft` command: the script's last line, continued with backslashes."""
-    start = text.index("\nNPROC_PER_NODE=") + 1
-    tokens = shlex.split(text[start:].replace("\\\n", " "))
-    env, rest = tokens[0], tokens[1:]
-    assert rest[:2] == ["swift", "sft"], rest[:2]
-    flags = {}
-    for token in rest[2:]:
-        if token.startswith("--"):
-            flags[token[2:]] = []
-        else:
-            flags[list(flags)[-1]].append(token)
-    return flags, env
+    env, argv = tools.split_tool_command(equivalents.command_line(text))
+    assert argv[:2] == ["swift", "sft"], argv[:2]
+    flags = {flag[2:]: words for flag, words in equivalents.command_words(text).items()}
+    return flags, " ".join(f"{key}={value}" for key, value in env.items())
 
 
 def chats_as_set(chats):

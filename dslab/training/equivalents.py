@@ -451,18 +451,22 @@ def command_line(text, tool="swift"):
     return next(line for line in lines if f" {tool} " in f" {line} " and not line.lstrip().startswith("#")).strip()
 
 
-def command_flags(text, tool="swift"):
-    """{flag: value} of the first `tool ...` command line in `text` (see command_line): split as a shell would, each
-    --flag taking the words up to the next --flag ("" for none)."""
-    words = shlex.split(command_line(text, tool))
+def command_words(text, tool="swift"):
+    """{flag: [its words]} of the first `tool ...` command line in `text` (see command_line), split as a shell would
+    (tools.split_tool_command): each --flag takes the words up to the next --flag."""
+    _, argv = tools.split_tool_command(command_line(text, tool))
     flags, current = {}, None
-    for word in words[words.index(tool) + 1:]:
+    for word in argv[1:]:
         if word.startswith("--"):
-            current = word
-            flags[current] = []
+            current = flags.setdefault(word, [])
         elif current is not None:
-            flags[current].append(word)
-    return {flag: " ".join(values) for flag, values in flags.items()}
+            current.append(word)
+    return flags
+
+
+def command_flags(text, tool="swift"):
+    """{flag: value} of command_words, each flag's words joined by spaces ("" for none)."""
+    return {flag: " ".join(words) for flag, words in command_words(text, tool).items()}
 
 
 def _same_value(a, b):
