@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dslab import course
 from tools import slides, slides_html, slides_source
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = [f"{ch.number:02d}" for ch in course.CHAPTERS]  # the course map (dslab/course.py): 00 … 14
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -243,15 +241,6 @@ def deck_id(path):
 SECTIONS = ["goals", "run it", "takeaways", "common mistakes"]  # headings every deck has
 
 
-def test_every_chapter_has_a_deck():
-    """One deck per chapter of the course map, in each edition, named after its notebook; no other deck."""
-    notebooks = [ch.notebook for ch in course.CHAPTERS]
-    on_disk = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert on_disk == notebooks, "notebooks/ and dslab/course.py's CHAPTERS list other chapters"
-    assert [p.stem for p in DECKS] == notebooks, f"slides/ holds {[p.stem for p in DECKS]}"
-    assert [p.stem for p in ZH_DECKS] == notebooks, f"slides/zh holds {[p.stem for p in ZH_DECKS]}"
-
-
 @pytest.mark.parametrize("path", DECKS, ids=[p.stem for p in DECKS])
 def test_deck_shape(path):
     deck = slides_source.load_deck(path)
@@ -285,7 +274,7 @@ def test_check_finds_missing_names(tmp_path, demo_module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The decks' code blocks, exercises and timings, against the package, the chapters and the guide
+# The decks' code blocks and exercises, against the package and the chapters (minutes: test_course_manifest.py)
 # ----------------------------------------------------------------------------------------------------
 CHECKED_PACKAGES = ("dslab", "deepspeed", "torch")  # imports resolved for real (others: peft, transformers... not)
 RUNNABLE_NAMES = {"json"}  # besides builtins, a block that uses only these (and its own names) runs in the test
@@ -606,24 +595,6 @@ def test_deck_lists_the_chapters_exercises(path):
                            f"leaves out {sorted(want - listed)}"
     unknown = listed - set(exercises.registered())
     assert not unknown, f"{deck_id(path)}.md lists exercises dslab.exercises does not have: {sorted(unknown)}"
-
-
-def guide_minutes(path):
-    """{'NN': teaching minutes} from the instructor guide's timing table."""
-    rows = re.finditer(r"^\| (\d\d) \| [^|]+\| (\d+) (?:min|分钟) \|", path.read_text(encoding="utf-8"), re.M)
-    return {m.group(1): int(m.group(2)) for m in rows}
-
-
-def test_deck_timings_are_the_guides():
-    """Each deck's "about N minutes" is the instructor guide's teaching time for the chapter (en and zh alike)."""
-    en = guide_minutes(ROOT / "docs" / "instructor_guide.md")
-    zh = guide_minutes(ROOT / "docs" / "instructor_guide.zh.md")
-    assert sorted(en) == CHAPTERS and zh == en
-    for path in ALL_DECKS:
-        m = re.search(r"(?:about (\d+) minutes|约 (\d+) 分钟)", path.read_text(encoding="utf-8"))
-        assert m, f"{deck_id(path)}.md: no 'about N minutes' on its title slide"
-        assert int(m.group(1) or m.group(2)) == en[path.name[:2]], \
-            f"{deck_id(path)}.md says {m.group(0)}; docs/instructor_guide.md says {en[path.name[:2]]} min"
 
 
 # ----------------------------------------------------------------------------------------------------

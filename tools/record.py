@@ -17,13 +17,15 @@ import json
 import sys
 from pathlib import Path
 
+from dslab import course
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 
 
 def chapters(names):
     """The English chapters named by number or prefix ("02", "05_lora"), in order; every chapter if none."""
-    every = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    every = [NOTEBOOKS / f"{ch.notebook}.ipynb" for ch in course.CHAPTERS]  # the course map's, in its order
     if not names:
         return every
     found = [p for p in every if any(p.stem.startswith(n) for n in names)]

@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from dslab import course
 from dslab.exercises import feedback, progress
 
 _REGISTRY = {}
@@ -213,14 +214,11 @@ def expect(exercise_id, expected, hint, wrong=(), rel=1e-3, ordered=True):
     exercise(exercise_id, hint, pairs)(checker)
 
 
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11", "ch12", "ch13",
-            "ch14")
-
-
 def discover():
-    """Import every chapter's exercise module (dslab/exercises/chNN.py), which registers its checkers."""
-    for chapter in CHAPTERS:
-        importlib.import_module(f"{__name__}.{chapter}")
+    """Import every chapter's exercise module (dslab/exercises/chNN.py, from the course map), which registers its
+    checkers (and imports the chapter's other exercise modules)."""
+    for chapter in course.CHAPTERS:
+        importlib.import_module(chapter.exercise_modules[0])
 
 
 def registered():
