@@ -283,11 +283,15 @@ def test_merge_with_an_adapter_that_does_not_exist(tmp_path, capsys):
     (["--lr", "-1"], ["--lr must be a number above 0, got -1.0"]),
     (["--save-every", "-1"], ["--save-every must be at least 0, got -1"]),
     (["--mix-general", "-1"], ["--mix-general must be at least 0, got -1"]),
-    (["--world-size", "0"], ["world_size must be at least 1, got 0"]),
-    (["--timeout", "0"], ["timeout must be a positive number of seconds", "got 0.0"]),
+    (["--max-length", "1"], ["--max-length must be at least 2, got 1"]),
+    (["--world-size", "0"], ["--world-size must be at least 1, got 0"]),
+    (["--world-size", "0", "--print-equivalent", "swift"], ["--world-size must be at least 1, got 0"]),
+    (["--timeout", "0"], ["--timeout must be a number above 0, got 0.0"]),
+    (["--timeout", "-5", "--print-equivalent", "hf"], ["--timeout must be a number above 0, got -5.0"]),
 ], ids=["missing-model", "missing-model-equivalent", "missing-data", "missing-deepspeed", "nothing-to-resume",
         "epochs-0", "micro-batch-0", "grad-accum-0", "lora-r-0", "lora-alpha-0", "negative-lr", "save-every-negative",
-        "mix-general-negative", "world-size-0", "timeout-0"])
+        "mix-general-negative", "max-length-1", "world-size-0", "world-size-0-equivalent", "timeout-0",
+        "timeout-negative-equivalent"])
 def test_sft_inputs(argv, words, tmp_path, capsys):
     refused(capsys, ["sft", "--output", tmp_path / "run", *(a.format(tmp=tmp_path) for a in argv)], words)
     assert not (tmp_path / "run").exists()

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from dslab.config import build
-from dslab.training import equivalents, sft, sft_plan
+from dslab.training import equivalents, sft, sft_plan, sft_settings
 from dslab.cli import build_parser, main
 from dslab.launch import tools
 
@@ -428,6 +428,18 @@ def test_hf_script_builds_training_arguments_with_the_runs_values(plan_for, tmp_
         assert got["output_dir"] == f"{tmp_path}/run-hf/output"
         targets = sorted(args.target_modules or ["gate_proj", "up_proj", "down_proj"])
         assert got["lora"] == (None if args.full else [args.lora_r, args.lora_alpha, 0.0, targets])
+
+
+def test_max_length_is_a_setting_each_printout_carries(plan_for):
+    """--max-length, like every option of `dslab sft`, comes from dslab.training.sft_settings: the plan holds the value
+    given, and each tool gets it under its own name (the recipe cuts a chat's tokens there)."""
+    plan, _ = plan_for([])
+    assert plan["max_length"] == sft_settings.DEFAULTS["max_length"]
+    plan, _ = plan_for(["--max-length", "64"])
+    assert plan["max_length"] == 64
+    assert "MAX_LENGTH = 64  #" in equivalents.hf(plan)[0]
+    assert swift_command(equivalents.swift(plan)[0])[0]["max_length"] == ["64"]
+    assert yaml.safe_load(equivalents.llamafactory(plan)[1]["train.yaml"])["cutoff_len"] == 64
 
 
 def test_the_trainers_step_count_is_accelerates_batches_per_rank():

@@ -142,10 +142,10 @@ def _tree_digest(folder):
 
 
 def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
-    from dslab.training import sft
+    from dslab.training import sft_settings
     from dslab.models.checkpoints import STATE_FILE, latest_checkpoint
 
-    if "save_every" not in sft.RECIPE_DEFAULTS:
+    if "save_every" not in sft_settings.DEFAULTS:
         pytest.skip("dslab sft has no --save-every: nothing is written before the end to keep")
     identity = _identity_file(tmp_path)
     output, checkpoints = tmp_path / "adapter", tmp_path / "checkpoints"

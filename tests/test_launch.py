@@ -194,18 +194,23 @@ def test_a_recipe_parser_takes_the_deepspeed_launchers_local_rank_and_names_unkn
 
 
 def test_the_sft_recipe_parses_what_dslab_sft_passes(tmp_path):
-    """Options of `dslab sft` as dslab.training.sft.run hands them to launch.run, parsed by the recipe's own parser;
-    the options left out (at their defaults) get the same defaults there."""
+    """The settings dslab.training.sft.run hands to launch.run (sft_settings.recipe_arguments), written as the ranks'
+    argv and parsed by the recipe's own parser: the values set arrive as set, lists included; the others get their
+    defaults there; the launcher's own settings (ranks, time limit) never reach the recipe."""
     from dslab.recipes import sft as recipe
-    from dslab.training import sft
+    from dslab.training import sft_settings
 
-    options = {"output": str(tmp_path / "out"), "zero_stage": 3, "epochs": 2, "full": True, "lr": 1e-4,
-               "data": [str(tmp_path / "a.jsonl")], "model_name": ["鲸", "Whale"], "mix_general": 0,
-               "deepspeed_config": str(tmp_path / "ds.json"), "gradient_checkpointing": True}
-    args = vars(recipe.parse_args(launch.recipe_argv(options)))
-    assert {k: args[k] for k in options} == options
-    assert {k: args[k] for k in sft.RECIPE_DEFAULTS if k not in options} == \
-        {k: v for k, v in sft.RECIPE_DEFAULTS.items() if k not in options}
+    chosen = {"zero_stage": 3, "epochs": 2, "full": True, "lr": 1e-4, "data": [str(tmp_path / "a.jsonl")],
+              "model_name": ["鲸", "Whale"], "mix_general": 0, "deepspeed": str(tmp_path / "ds.json"),
+              "gradient_checkpointing": True, "max_length": 64, "world_size": 4, "timeout": 9.0}
+    values = sft_settings.resolve({**chosen, "output": str(tmp_path / "out")})
+    args = vars(recipe.parse_args(launch.recipe_argv(sft_settings.recipe_arguments(values))))
+    for s in sft_settings.SETTINGS:
+        if s.on_ranks:
+            wanted = values[s.name]
+            assert args[s.recipe_name] == (list(wanted) if isinstance(wanted, tuple) else wanted), s.name
+        else:
+            assert s.recipe_name not in args, s.name
 
 
 def test_save_rank_result_is_a_no_op_outside_launch(monkeypatch, tmp_path):

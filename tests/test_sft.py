@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from dslab import data
 from dslab.config import check
 from dslab.models import checkpoints, loading, lora
-from dslab.training import sft
+from dslab.training import sft, sft_settings
 from dslab.tiny.tokenizer import train_tokenizer
 
 NAME, AUTHOR = ("小海", "Xiao Hai"), ("蓝天学院", "Blue Sky Lab")
@@ -188,6 +188,46 @@ def test_chapters_05_and_08_write_the_same_training_script():
     assert _written_script("05_lora_sft.ipynb") == _written_script("08_cli_and_multinode.ipynb")
 
 
+def test_the_take_away_scripts_defaults_are_dslab_sfts(monkeypatch):
+    """The script runs without dslab, so it declares its options itself: run as far as its parser, it starts from the
+    settings `dslab sft` has (dslab.training.sft_settings), and so do the LoRA numbers written into it."""
+    import ast
+
+    monkeypatch.delenv("DSLAB_MODEL", raising=False)
+    script = _written_script("05_lora_sft.ipynb")
+    names = {}
+    exec(script[:script.index("args = parser.parse_args()")], names)  # the imports and the parser, nothing else
+    args = names["parser"].parse_args(["--output", "adapter"])
+    d = sft_settings.DEFAULTS
+    assert (tuple(args.name), tuple(args.author)) == (d["model_name"], d["model_author"])
+    assert (args.epochs, args.max_length, args.full, args.save_every, args.checkpoint_dir) == \
+        (d["epochs"], d["max_length"], d["full"], d["save_every"], d["checkpoint_dir"])
+    assert Path(args.data).name == sft.DEFAULT_DATA.name and Path(args.model).name == loading.DEFAULT_MODEL_DIR.name
+    (lora_config,) = [node for node in ast.walk(ast.parse(script))
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LoraConfig"]
+    given = {k.arg: ast.literal_eval(k.value) for k in lora_config.keywords}
+    assert (given["r"], given["lora_alpha"], tuple(given["target_modules"])) == \
+        (d["lora_r"], d["lora_alpha"], lora.DEFAULT_TARGETS)
+
+
+def test_chapter_09s_trainer_recipe_starts_from_the_same_lora_and_length():
+    """dslab/recipes/hf_sft.py is printed whole in chapter 09 (its stored output), so its dataclass keeps the numbers
+    written out rather than read from dslab.training.sft_settings: they must be the same."""
+    import ast
+
+    from dslab import launch
+
+    tree = ast.parse((launch.RECIPES_DIR / "hf_sft.py").read_text(encoding="utf-8"))
+    (fields,) = [node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "ScriptArguments"]
+    numbers = {f.target.id: f.value.value for f in fields
+               if isinstance(f, ast.AnnAssign) and isinstance(f.value, ast.Constant)}
+    assert numbers == {name: sft_settings.DEFAULTS[name] for name in ("lora_r", "lora_alpha", "max_length")}
+    (lora_config,) = [node for node in ast.walk(tree)
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LoraConfig"]
+    targets = next(k.value for k in lora_config.keywords if k.arg == "target_modules")
+    assert tuple(ast.literal_eval(targets)) == lora.DEFAULT_TARGETS
+
+
 def test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks(
         base_dir, identity_file, tmp_path):
     """One SGD step (lr 1, fp32, no clipping) of the script on 2 ranks x 2 micro-batches: LoRA's B starts at zero,
@@ -242,25 +282,61 @@ def _take(iterator, n):
     return [next(iterator) for _ in range(n)]
 
 
-# ---- the recipe `dslab sft` runs: its arguments and config are dslab.training.sft's ---------------------------------
-def test_recipe_defaults_are_the_ones_sft_run_leaves_out():
+# ---- the settings of a run, defined once (dslab.training.sft_settings) and read everywhere --------------------------
+def test_dslab_sft_and_the_recipe_start_from_the_settings_defaults():
+    from dslab.cli import build_parser
     from dslab.recipes import sft as recipe
 
-    args = vars(recipe.parse_args(["--output", "out"]))
-    assert {k: args[k] for k in sft.RECIPE_DEFAULTS} == {**sft.RECIPE_DEFAULTS, "output": "out"}
+    as_parsed = {name: list(v) if isinstance(v, tuple) else v for name, v in sft_settings.DEFAULTS.items()}
+    cli = build_parser().parse_args(["sft", "--output", "out"])
+    assert {name: getattr(cli, name) for name in sft_settings.DEFAULTS} == {**as_parsed, "output": "out"}
+    ranks = vars(recipe.parse_args(["--output", "out"]))
+    assert {s.name: ranks[s.recipe_name] for s in sft_settings.SETTINGS if s.on_ranks} == \
+        {s.name: as_parsed[s.name] for s in sft_settings.SETTINGS if s.on_ranks} | {"output": "out"}
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("full", [False, True])
-def test_recipe_builds_the_config_sft_deepspeed_config_shows(zero_stage, full):
-    """What chapter 06 writes to a file and sft_plan prints as "the config `dslab sft` builds" is what the recipe runs."""
-    from dslab.recipes import sft as recipe
+def test_each_flag_is_the_settings_name_with_dashes_unless_the_setting_says_otherwise():
+    flags = {s.name: s.flag for s in sft_settings.SETTINGS if s.flag != "--" + s.name.replace("_", "-")}
+    assert flags == {"zero_stage": "--zero"}
+    assert sft_settings.replaced_by_deepspeed_file() == ["--zero", "--lr", "--micro-batch-size", "--grad-accum-steps"]
 
-    argv = ["--output", "out", "--zero_stage", str(zero_stage), "--micro_batch_size", "4", "--grad_accum_steps", "2"]
-    args = recipe.parse_args(argv + (["--full"] if full else []))
-    assert recipe.ds_config(args, 2, 50) == sft.deepspeed_config(zero_stage, 2, 4, 2, sft.default_lr(full), 50)
-    args = recipe.parse_args(argv + ["--lr", "1e-4"])
-    assert recipe.ds_config(args, 3, 7) == sft.deepspeed_config(zero_stage, 3, 4, 2, 1e-4, 7)
+
+@pytest.mark.parametrize("typed, meant", [("zero", "zero_stage"), ("deepspeed_config", "deepspeed"),
+                                          ("lora_rank", "lora_r"), ("micro_batch", "micro_batch_size"),
+                                          ("--grad-accum", "grad_accum_steps"), ("epoch", "epochs")])
+def test_an_unknown_setting_is_a_type_error_naming_the_closest(typed, meant, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSLAB_LANG", "en")
+    with pytest.raises(TypeError, match=f"'{typed}' is not a setting of a fine-tuning run: did you mean '{meant}'"):
+        sft.run(output=tmp_path / "out", **{typed: 3})
+    monkeypatch.setenv("DSLAB_LANG", "zh")
+    with pytest.raises(TypeError, match=f"是不是想写 '{meant}'"):
+        sft.run(output=tmp_path / "out", **{typed: 3})
+    assert not list(tmp_path.iterdir())  # refused before anything was checked or written
+
+
+def test_the_check_holds_every_limit_the_settings_give():
+    limited = [s for s in sft_settings.SETTINGS if s.least is not None or s.above_zero]
+    assert {s.name for s in limited} >= {"epochs", "micro_batch_size", "grad_accum_steps", "lora_r", "lora_alpha",
+                                         "lr", "save_every", "log_every", "mix_general", "max_length", "world_size",
+                                         "timeout"}
+    sft.check_settings(sft_settings.DEFAULTS)
+    for s in limited:
+        too_small = s.least - 1 if s.least is not None else 0
+        with pytest.raises(sft.SFTError, match=re.escape(s.flag)):
+            sft.check_settings({**sft_settings.DEFAULTS, s.name: too_small})
+
+
+def test_the_built_config_is_the_settings_default_run():
+    """The config the recipe builds when no --deepspeed file is given (dslab.training.sft.deepspeed_config, its only
+    builder) starts from the same sizes, stage and learning rate as `dslab sft`."""
+    d = sft_settings.DEFAULTS
+    config = sft.deepspeed_config(steps=50)
+    assert config["zero_optimization"]["stage"] == d["zero_stage"]
+    assert config["train_micro_batch_size_per_gpu"] == d["micro_batch_size"]
+    assert config["gradient_accumulation_steps"] == d["grad_accum_steps"]
+    assert config["train_batch_size"] == d["micro_batch_size"] * d["grad_accum_steps"] * d["world_size"]
+    assert config["optimizer"]["params"]["lr"] == sft.default_lr(full=False) == sft_settings.LORA_LR
+    assert sft.default_lr(full=True) == sft_settings.FULL_LR < sft_settings.LORA_LR
 
 
 # ---- the recipe `dslab sft` runs: the same per-token step as the chapter's script --------------------------------

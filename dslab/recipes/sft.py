@@ -10,57 +10,18 @@ import torch.distributed as dist
 
 from dslab import this_rank
 from dslab.models import checkpoints, loading, lora
-from dslab.training import loop, sft
+from dslab.training import loop, sft, sft_settings
 
 
 def parse_args(argv=None):
+    """The run's settings (dslab.training.sft_settings: the ones `dslab sft` takes, less the launcher's own), with the
+    arguments a launcher or `dslab sft` adds."""
     parser = argparse.ArgumentParser(description="LoRA (or full) supervised fine-tuning under DeepSpeed ZeRO")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it (torchrun does not)
-    parser.add_argument("--model", default=None)  # a HF directory or hub id (default: $DSLAB_MODEL, else dslab-tiny)
-    parser.add_argument("--data", type=json.loads, default=None)  # a JSON list of jsonl files (default: the kit's)
-    parser.add_argument("--output", required=True)  # the adapter, or with --full the whole model
-    parser.add_argument("--full", action="store_true")  # every weight trains, no LoRA
-    parser.add_argument("--zero_stage", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--lr", type=float, default=None)  # default: 2e-3 for LoRA, 3e-4 for a full fine-tune
-    parser.add_argument("--micro_batch_size", type=int, default=8)
-    parser.add_argument("--grad_accum_steps", type=int, default=1)
-    parser.add_argument("--lora_r", type=int, default=16)
-    parser.add_argument("--lora_alpha", type=float, default=32)
-    parser.add_argument("--target_modules", type=json.loads, default=None)  # default: the MLP's layers, by type
-    parser.add_argument("--model_name", type=json.loads, default=["小海", "Xiao Hai"])  # fills {name}: zh, en
-    parser.add_argument("--model_author", type=json.loads, default=["蓝天学院", "Blue Sky Lab"])  # fills {author}
-    parser.add_argument("--mix_general", type=int, default=None)  # general chats added (default: as many as the data)
-    parser.add_argument("--max_length", type=int, default=256)
-    parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--save_every", type=int, default=0)  # a resumable checkpoint every K steps
-    parser.add_argument("--checkpoint_dir", default=None)
-    parser.add_argument("--resume", default=None)  # a checkpoint directory (`dslab sft` checks it before launch)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log_every", type=int, default=None)  # default: 8 loss lines in all
+    sft_settings.add_recipe_arguments(parser, leave_out=("deepspeed_config",))  # declared by DeepSpeed, just below
     parser.add_argument("--progress_file", default=None)  # rank 0's step counter, for `dslab sft`'s progress bar
-    parser = deepspeed.add_config_arguments(parser)  # --deepspeed_config FILE: a ready config instead of ds_config()
+    parser = deepspeed.add_config_arguments(parser)  # --deepspeed_config FILE: a ready config instead of the built one
     return parser.parse_args(argv)
-
-
-def ds_config(args, world_size, steps):
-    """The DeepSpeed config built from the arguments (dslab.training.sft.deepspeed_config writes out the same)."""
-    zero = {"stage": args.zero_stage}
-    if args.zero_stage:  # 4M-element buckets: a small model's gradients never fill DeepSpeed's default 500M
-        zero.update(reduce_bucket_size=2 ** 22, allgather_bucket_size=2 ** 22)
-    if args.zero_stage == 3:  # partition even the small weights; gather them whole when the model is saved
-        zero.update(stage3_prefetch_bucket_size=2 ** 22, stage3_param_persistence_threshold=0,
-                    stage3_gather_16bit_weights_on_model_save=True)
-    adamw = {"lr": args.lr or sft.default_lr(args.full), "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-             "torch_adam": True}  # torch's AdamW: no C++ op to build first
-    cosine = {"total_num_steps": steps, "warmup_num_steps": max(1, steps // 20), "warmup_type": "linear",
-              "cos_min_ratio": 0.1}
-    micro, accum = args.micro_batch_size, args.grad_accum_steps
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-            "train_batch_size": micro * accum * world_size, "gradient_clipping": 1.0,
-            "bf16": {"enabled": True}, "fp16": {"enabled": False}, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": adamw}, "scheduler": {"type": "WarmupCosineLR", "params": cosine},
-            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}  # the loop prints its own loss log
 
 
 def main(args):
@@ -74,7 +35,9 @@ def main(args):
     chats = sft.load_chats(args.data, args.model_name, args.model_author, args.mix_general, args.seed)
     examples = sft.tokenize(tokenizer, chats, args.max_length)  # input_ids + labels, the prompt's labels -100
     steps = sft.total_steps(len(examples), world_size, args.micro_batch_size, args.grad_accum_steps, args.epochs)
-    config = json.load(open(args.deepspeed_config)) if args.deepspeed_config else ds_config(args, world_size, steps)
+    lr = args.lr or sft_settings.default_lr(args.full)
+    config = json.load(open(args.deepspeed_config)) if args.deepspeed_config else \
+        sft.deepspeed_config(args.zero_stage, world_size, args.micro_batch_size, args.grad_accum_steps, lr, steps)
     if args.resume and checkpoints.needs_universal(args.resume, world_size):
         config["checkpoint"] = {"load_universal": True}  # saved by another number of ranks (checkpoints.check_resume)
     engine, *_ = deepspeed.initialize(model=model, config=config,

@@ -14,7 +14,7 @@ import pprint
 import shlex
 
 from dslab import data
-from dslab.training import sft_plan, tool_data
+from dslab.training import sft_plan, sft_settings, tool_data
 from dslab.launch import tools
 from dslab.training.sft_plan import CHAT_STYLES, trainer_ds_config, work_dir
 
@@ -77,6 +77,7 @@ def summary(plan, tool):
                 p["scheduler"] == "WarmupCosineLR" else "constant" if not p["scheduler"] else p["scheduler"])
     mix = "as many as the data" if p["mix_general"] is None else p["mix_general"]
     per_rank = math.ceil(p["n_examples"] / p["micro_batch_size"])
+    *replaced, last = sft_settings.replaced_by_deepspeed_file()
     return "\n".join([
         f"# The run `dslab sft --output {p['output']}` starts: {what} of {_shown(p['model'])},",
         f"# ZeRO-{p['zero_stage']} ({'offload: ' + ' and '.join(offload) if offload else 'no offload'}), {p['precision']}"
@@ -92,21 +93,22 @@ def summary(plan, tool):
          f"rank{'s' * (p['world_size'] != 1)}) where dslab drops it; warm-up {p['tool_warmup_steps']} steps"),
         ("# The examples are the same; the order each tool draws them in is its own, so losses follow the same trend,"
          " not the same values."),
-    ] + (["# With --deepspeed, dslab takes the ZeRO stage, batch sizes, precision and optimizer from that file:",
-          "# --zero, --micro-batch-size, --grad-accum-steps and --lr are not used (nor here)."]
+    ] + ([f"# With {sft_settings.flag('deepspeed')}, dslab takes the ZeRO stage, batch sizes, precision and optimizer "
+          "from that file:", f"# {', '.join(replaced)} and {last} are not used (nor here)."]
          if p["deepspeed_file"] else []))
 
 
 def _unmatched(plan, tool):
     """Comment lines for dslab options that `tool` has no setting for."""
-    p, lines = plan, []
+    p, lines, flag = plan, [], sft_settings.flag
     if p["timeout"]:
-        lines.append(f"# --timeout {p['timeout']}: {tool} has no overall time limit; stop the job yourself")
+        lines.append(f"# {flag('timeout')} {p['timeout']}: {tool} has no overall time limit; stop the job yourself")
     if p["resume"]:
-        lines.append(f"# --resume {p['resume']}: dslab's checkpoints are DeepSpeed ones in dslab's layout; {tool} "
-                     "resumes only from its own (resume_from_checkpoint)")
+        lines.append(f"# {flag('resume')} {p['resume']}: dslab's checkpoints are DeepSpeed ones in dslab's layout; "
+                     f"{tool} resumes only from its own (resume_from_checkpoint)")
     if p["checkpoint_dir"]:
-        lines.append(f"# --checkpoint-dir {p['checkpoint_dir']}: {tool} writes checkpoints inside its output_dir")
+        lines.append(f"# {flag('checkpoint_dir')} {p['checkpoint_dir']}: {tool} writes checkpoints inside its "
+                     "output_dir")
     return lines
 
 

@@ -3,47 +3,41 @@ DeepSpeed config, and `run`, which checks everything before it launches dslab/re
 The last section holds what each rank of a run measures and saves for the notebook (activations, model states).
 
 Checkpoints and resuming: dslab.models.checkpoints. The command: dslab.cli.sft. What chapter 05 measures in the
-kernel (checkpointing's cost, perplexity, the slides' tables): dslab.training.sft_measure.
+kernel (checkpointing's cost, perplexity, the slides' tables): dslab.training.sft_measure. The settings of a run, their
+defaults and limits: dslab.training.sft_settings.
 """
 import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from dslab import data, files
 from dslab.models import checkpoints
 from dslab.messages import say
+from dslab.training import sft_settings
+from dslab.training.sft_settings import DEFAULTS, default_lr  # noqa: F401  (chapter 06 calls sft.default_lr)
 
 DEFAULT_DATA = data.DATA_DIR / "self_cognition.jsonl"
-DEFAULT_NAME = ("小海", "Xiao Hai")  # (zh, en), like ms-swift's --model_name
-DEFAULT_AUTHOR = ("蓝天学院", "Blue Sky Lab")  # (zh, en), like ms-swift's --model_author
-# Every option of dslab/recipes/sft.py with the default its parser gives it (tests/test_sft.py checks they agree).
-# `run` passes only the ones that differ, so the deepspeed command it prints stays short enough to read (and to copy
-# to a cluster).
-RECIPE_DEFAULTS = dict(
-    model=None, data=None, output=None, zero_stage=2, full=False, epochs=12, lr=None, micro_batch_size=8,
-    grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=None, model_name=list(DEFAULT_NAME),
-    model_author=list(DEFAULT_AUTHOR), mix_general=None, max_length=256, gradient_checkpointing=False,
-    deepspeed_config=None, save_every=0, checkpoint_dir=None, resume=None, seed=0, log_every=None, progress_file=None)
+DEFAULT_NAME, DEFAULT_AUTHOR = DEFAULTS["model_name"], DEFAULTS["model_author"]  # (zh, en), like ms-swift's
 
 
 class SFTError(ValueError):
     """A fine-tuning run that cannot start as asked; the message says how to fix it."""
 
 
-def check_settings(epochs=12, micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, lr=None, save_every=0,
-                   log_every=None, mix_general=None, max_length=256):
-    """Raise SFTError naming the first number that cannot be (a count below its least, a rate or scale not above 0);
-    None means the default. Checked by `run` and by --print-equivalent, before anything is read or launched."""
-    least = {"--epochs": (epochs, 1), "--micro-batch-size": (micro_batch_size, 1),
-             "--grad-accum-steps": (grad_accum_steps, 1), "--lora-r": (lora_r, 1), "--save-every": (save_every, 0),
-             "--log-every": (log_every, 1), "--mix-general": (mix_general, 0), "max_length": (max_length, 2)}
-    for name, (value, smallest) in least.items():
-        if value is not None and not value >= smallest:
-            raise SFTError(say("number.at_least", name=name, least=smallest, value=value))
-    for name, value in (("--lora-alpha", lora_alpha), ("--lr", lr)):
-        if value is not None and not value > 0:  # NaN fails too
-            raise SFTError(say("number.positive", name=name, value=value))
+def check_settings(values):
+    """Raise SFTError naming the first setting in {name: value} whose number cannot be (a count below its least, a rate
+    or scale not above 0); None means the default. Checked by `run` and by --print-equivalent, before anything is read
+    or launched."""
+    for s in sft_settings.SETTINGS:
+        value = values.get(s.name)
+        if value is None:
+            continue
+        if s.least is not None and not value >= s.least:
+            raise SFTError(say("number.at_least", name=s.flag, least=s.least, value=value))
+        if s.above_zero and not value > 0:  # NaN fails too
+            raise SFTError(say("number.positive", name=s.flag, value=value))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -84,7 +78,7 @@ def load_chats(files=None, name=DEFAULT_NAME, author=DEFAULT_AUTHOR, mix_general
     return chats
 
 
-def tokenize(tokenizer, chats, max_length=256):
+def tokenize(tokenizer, chats, max_length=DEFAULTS["max_length"]):
     """SFT examples: input_ids + labels with the prompt masked (IGNORE_INDEX), from the tokenizer's chat template."""
     return [data.sft_example(tokenizer, c["messages"], max_length=max_length) for c in chats]
 
@@ -116,17 +110,13 @@ def total_steps(n_examples, world_size, micro_batch_size, grad_accum_steps, epoc
     return epochs * max(1, shard // micro_batch_size // grad_accum_steps)
 
 
-def default_lr(full):
-    """Peak learning rate: LoRA's small fresh matrices take a larger step than a whole pretrained model."""
-    return 3e-4 if full else 2e-3
-
-
 # ----------------------------------------------------------------------------------------------------
 # DeepSpeed config
 # ----------------------------------------------------------------------------------------------------
-def deepspeed_config(zero_stage=2, world_size=2, micro_batch_size=8, grad_accum_steps=1, lr=2e-3, steps=100,
-                     precision="bf16", offload_optimizer=False):
-    """The config `dslab sft` passes to deepspeed.initialize when no --deepspeed file is given."""
+def deepspeed_config(zero_stage=DEFAULTS["zero_stage"], world_size=DEFAULTS["world_size"],
+                     micro_batch_size=DEFAULTS["micro_batch_size"], grad_accum_steps=DEFAULTS["grad_accum_steps"],
+                     lr=sft_settings.LORA_LR, steps=100, precision="bf16", offload_optimizer=False):
+    """The config dslab/recipes/sft.py passes to deepspeed.initialize when no --deepspeed file is given."""
     from dslab.config.build import make_config
 
     extra = {
@@ -182,13 +172,11 @@ def _progress_bar(path, steps, stop):
     bar.close()
 
 
-def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, epochs=12, lr=None,
-        micro_batch_size=8, grad_accum_steps=1, lora_r=16, lora_alpha=32, target_modules=None,
-        model_name=DEFAULT_NAME, model_author=DEFAULT_AUTHOR, mix_general=None, max_length=256,
-        gradient_checkpointing=False, deepspeed=None, save_every=0, checkpoint_dir=None, resume=None, seed=0,
-        log_every=None, progress=False, timeout=None, stream=None):
+def run(output, progress=False, stream=None, **settings):
     """Check the inputs, run dslab/recipes/sft.py on `world_size` ranks, return rank 0's result dict.
 
+    settings: any of dslab.training.sft_settings.SETTINGS by name (zero_stage=3, epochs=2, ...); the others keep
+    their defaults, and a name that is no setting raises TypeError naming the closest one.
     Everything that can be wrong before training (data files, an unwritable output, a bad --deepspeed
     file, a checkpoint from another world size) raises here, before any rank starts.
     Beside `output` go the run's per-rank logs (OUTPUT-logs) and, with save_every, its checkpoints
@@ -198,43 +186,37 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
     from dslab import launch
     from dslab.models import loading, lora
 
-    check_settings(epochs, micro_batch_size, grad_accum_steps, lora_r, lora_alpha, lr, save_every, log_every,
-                   mix_general, max_length)
+    s = SimpleNamespace(**sft_settings.resolve({**settings, "output": str(output)}))
+    check_settings(vars(s))
     # DataError for three names, before anything starts
-    model_name, model_author = _listed(model_name, "--model-name"), _listed(model_author, "--model-author")
-    data_files = None
-    if data is not None:
-        data_files = [str(f) for f in ([data] if isinstance(data, (str, Path)) else data)]
-        for f in data_files:
+    s.model_name, s.model_author = _listed(s.model_name, "--model-name"), _listed(s.model_author, "--model-author")
+    if s.data is not None:
+        s.data = [str(f) for f in ([s.data] if isinstance(s.data, (str, Path)) else s.data)]
+        for f in s.data:
             if not Path(f).is_file():
                 raise SFTError(say("data.no_file", path=f"--data {f}"))
         # A malformed line fails here (DataError naming file:line), not on the ranks after a cold start.
-        load_chats(data_files, model_name, model_author, mix_general, seed)
-    loading.check_model(model)  # ModelError: a missing folder, or weights only as a pickle
-    if not full:
-        lora.targets_of(model, target_modules)  # AdapterError: no layer of this model would get an adapter
+        load_chats(s.data, s.model_name, s.model_author, s.mix_general, s.seed)
+    loading.check_model(s.model)  # ModelError: a missing folder, or weights only as a pickle
+    if not s.full:
+        lora.targets_of(s.model, s.target_modules)  # AdapterError: no layer of this model would get an adapter
     files.check_writable(output)  # before minutes of training, not after
     # A full model is about the base's weight files; an adapter is smaller. A checkpoint holds fp32 master
     # weights and two Adam moments of what trains: up to 7x the bf16 weight files for a full fine-tune.
-    weights = sum(f.stat().st_size for f in Path(loading.resolve_model(model)).glob("*.safetensors"))
+    weights = sum(f.stat().st_size for f in Path(loading.resolve_model(s.model)).glob("*.safetensors"))
     files.check_free_space(output, weights)
-    if save_every:
-        checkpoint_dir = str(checkpoint_dir or checkpoints.default_dir(output))
-        files.check_writable(checkpoint_dir, "--checkpoint-dir")
-        files.check_free_space(checkpoint_dir, weights * (7 if full else 1), "--checkpoint-dir")
-    if resume:  # fails now if there is nothing to resume; another world size: converted here, once
-        resume = str(checkpoints.find_checkpoints(resume))
-        checkpoints.check_resume(resume, world_size, zero_stage, world_size * micro_batch_size * grad_accum_steps)
-    if deepspeed:
-        read_deepspeed_file(deepspeed, world_size)  # ConfigError naming each problem and its fix
-    options = dict(model=model, data=data_files, output=str(output), zero_stage=zero_stage, full=full, epochs=epochs,
-                   lr=lr, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, lora_r=lora_r,
-                   lora_alpha=lora_alpha, target_modules=target_modules and list(target_modules), model_name=model_name,
-                   model_author=model_author, mix_general=mix_general, max_length=max_length,
-                   gradient_checkpointing=gradient_checkpointing, deepspeed_config=deepspeed, save_every=save_every,
-                   checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, log_every=log_every)
-    always = ("output", "zero_stage", "epochs")  # shown even at their defaults: they define the run
-    kwargs = {k: v for k, v in options.items() if k in always or v != RECIPE_DEFAULTS[k]}
+    if s.save_every:
+        s.checkpoint_dir = str(s.checkpoint_dir or checkpoints.default_dir(output))
+        files.check_writable(s.checkpoint_dir, "--checkpoint-dir")
+        files.check_free_space(s.checkpoint_dir, weights * (7 if s.full else 1), "--checkpoint-dir")
+    if s.resume:  # fails now if there is nothing to resume; another world size: converted here, once
+        s.resume = str(checkpoints.find_checkpoints(s.resume))
+        checkpoints.check_resume(s.resume, s.world_size, s.zero_stage,
+                                 s.world_size * s.micro_batch_size * s.grad_accum_steps)
+    if s.deepspeed:
+        read_deepspeed_file(s.deepspeed, s.world_size)  # ConfigError naming each problem and its fix
+    # shown even at their defaults: they define the run
+    kwargs = sft_settings.recipe_arguments(vars(s), always=("output", "zero_stage", "epochs"))
     stop, bar, progress_file = threading.Event(), None, None
     if progress:
         progress_file = str(Path(output).resolve().parent / f".{Path(output).name}.progress.json")
@@ -242,8 +224,8 @@ def run(output, model=None, data=None, zero_stage=2, world_size=2, full=False, e
         bar = threading.Thread(target=_progress_bar, args=(progress_file, progress, stop), daemon=True)
         bar.start()
     try:
-        result = launch.run("sft", world_size=world_size, timeout=timeout, stream=stream, run_dir=log_dir(output),
-                            **kwargs)
+        result = launch.run("sft", world_size=s.world_size, timeout=s.timeout, stream=stream,
+                            run_dir=log_dir(output), **kwargs)
     finally:
         stop.set()
         if bar is not None:

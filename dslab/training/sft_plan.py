@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dslab import data, files
 from dslab.models import loading, lora
-from dslab.training import sft
+from dslab.training import sft, sft_settings
 
 # The values TrainingArguments also holds: the Trainer fills "auto" from it and stops on a config that disagrees.
 TRAINER_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -33,11 +33,11 @@ class EquivalentError(ValueError):
 
 
 def plan_from_args(args):
-    """The run, as plain values, from `dslab sft`'s parsed arguments (an argparse Namespace or anything alike)."""
+    """The run, as plain values, from `dslab sft`'s parsed arguments: an argparse Namespace (or anything alike) with an
+    attribute for each setting of dslab.training.sft_settings."""
     from dslab import env
 
-    sft.check_settings(args.epochs, args.micro_batch_size, args.grad_accum_steps, args.lora_r, args.lora_alpha, args.lr,
-                       args.save_every, args.log_every, args.mix_general)
+    sft.check_settings(vars(args))
     loading.check_model(args.model, weights=False)  # a missing folder fails; a hub id passes (the tool downloads it)
     data_files = [str(f) for f in (args.data or [sft.DEFAULT_DATA])]
     name, author = data.name_pair(args.model_name, "--model-name"), data.name_pair(args.model_author, "--model-author")
@@ -51,7 +51,8 @@ def plan_from_args(args):
     else:
         micro, accum = args.micro_batch_size, args.grad_accum_steps
         steps = sft.total_steps(n_examples, world_size, micro, accum, epochs)
-        ds_config = sft.deepspeed_config(args.zero, world_size, micro, accum, args.lr or sft.default_lr(full), steps)
+        lr = args.lr or sft_settings.default_lr(full)
+        ds_config = sft.deepspeed_config(args.zero_stage, world_size, micro, accum, lr, steps)
     zero = ds_config.get("zero_optimization", {})
     adam = ds_config.get("optimizer", {}).get("params", {})
     schedule = ds_config.get("scheduler", {}).get("params", {})
@@ -63,7 +64,7 @@ def plan_from_args(args):
         "default_model": Path(model).resolve() == loading.DEFAULT_MODEL_DIR, "local_model": Path(model).is_dir(),
         "chat_style": chat_style(model), "architecture": architecture(model), "data": data_files,
         "model_name": list(args.model_name), "model_author": list(args.model_author), "mix_general": args.mix_general,
-        "n_examples": n_examples, "seed": args.seed, "max_length": sft.RECIPE_DEFAULTS["max_length"],
+        "n_examples": n_examples, "seed": args.seed, "max_length": args.max_length,
         "full": full, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
         # the recipe calls lora.attach_lora without a dropout, so its default is the run's
         "lora_dropout": inspect.signature(lora.attach_lora).parameters["dropout"].default,
