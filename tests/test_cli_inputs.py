@@ -305,7 +305,13 @@ def test_sft_inputs(argv, words, tmp_path, capsys):
     (["--params", "inf"], ["params must be a finite number, got inf"]),
     (["--params", "1e9", "--world-size", "0"], ["world_size must be a whole number >= 1, got 0"]),
     (["--params", "1e9", "--optimizer", "muon", "--muon-fraction", "2"], ["muon_fraction", "0 to 1"]),
-], ids=["params-0", "params-nan", "params-inf", "world-size-0", "muon-fraction-2"])
+    (["--params", "1e9", "--trainable", "0"], ["trainable must be at least 1, got 0.0"]),
+    (["--params", "1e9", "--trainable", "-5"], ["trainable must be at least 1, got -5.0"]),
+    (["--params", "1e9", "--trainable", "nan"], ["trainable must be a finite number, got nan"]),
+    (["--params", "1e9", "--trainable", "2e9"], ["trainable must be at most params (1,000,000,000), "
+                                                 "got 2,000,000,000", "adapters"]),
+], ids=["params-0", "params-nan", "params-inf", "world-size-0", "muon-fraction-2", "trainable-0",
+        "trainable-negative", "trainable-nan", "trainable-above-params"])
 def test_estimate_numbers(argv, words, capsys):
     refused(capsys, ["estimate", "--zero", "2", *argv], words)
 

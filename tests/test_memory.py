@@ -106,6 +106,43 @@ def test_estimate_cli_refuses_offload_param_below_stage_3(capsys):
     assert "stage 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_frozen_parameters_keep_only_their_weights(stage):
+    """LoRA: all Ψ weights stay (2 bytes each in bf16), gradients and optimizer states only for the T trainable
+    ones, partitioned as the stage partitions them; T = Ψ is the plain formula, and leaving it out means T = Ψ."""
+    psi, t, n = 8_000_000, 120_000, 4
+    lora = memory.theory(psi, n, stage, trainable=t)
+    assert lora["params"] == round(2 * psi / (n if stage == 3 else 1))
+    assert lora["grads"] == round(2 * t / (n if stage >= 2 else 1))
+    assert lora["optimizer"] == round(12 * t / (n if stage >= 1 else 1))
+    assert memory.theory(psi, n, stage, trainable=psi) == memory.theory(psi, n, stage)
+    offloaded = memory.theory(psi, n, max(stage, 1), offload_optimizer=True, trainable=t)["offloaded"]
+    assert offloaded == round((12 + memory.HOST_GRAD_BYTES) * t / n)
+
+
+def test_chapter_05_lora_run_is_what_trainable_predicts():
+    """Chapter 05's LoRA run measured 10.89 MiB of weights and 1.04 MiB of optimizer states on a ZeRO-2 rank (2 ranks,
+    5,525,760 base + 181,248 adapter parameters): --trainable gives both."""
+    rep = memory.theory(5_525_760 + 181_248, 2, 2, trainable=181_248)
+    assert (round(rep["params"] / 2**20, 2), round(rep["optimizer"] / 2**20, 2)) == (10.89, 1.04)
+
+
+def test_estimate_cli_trainable(capsys):
+    """Qwen2-1.5B-Instruct (1,543,714,304 weights) with LoRA r=16 on the MLP (14,106,624), ZeRO-2 on 2 GPUs."""
+    t = 28 * 3 * 16 * (1536 + 8960)
+    p = 1_543_714_304 + t
+    assert cli.main(["estimate", "--params", str(p), "--trainable", str(t), "--zero", "2", "--world-size", "2",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["params"], out["trainable"]) == (p, t) and out["theory"]["total"] == 2 * p + 14 * t // 2
+    assert cli.main(["estimate", "--params", str(p), "--trainable", str(t), "--zero", "2", "--world-size", "2"]) == 0
+    text = capsys.readouterr().out
+    assert f"Ψ = {p:,} parameters ({t:,} trainable), bf16" in text and "2.994" in text.splitlines()[2]
+    assert "it assumes every parameter trains" in text   # DeepSpeed's estimator takes one parameter count
+    assert cli.main(["estimate", "--params", "1e9", "--zero", "2"]) == 0
+    assert "every parameter trains" not in capsys.readouterr().out
+
+
 def test_measure_cli_passes_the_shape(monkeypatch, capsys):
     seen = {}
 

@@ -4,6 +4,8 @@ says (`--deepspeed --deepspeed_config`), for an identity the kit never trains on
 held-out identity questions in both languages."""
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -82,3 +84,30 @@ def test_the_readmes_and_the_script_give_the_command_this_test_runs():
     for readme in ("README.md", "README.zh.md"):
         text = (ROOT / readme).read_text(encoding="utf-8")
         assert launch_line in text and "tests/test_takeaway.py" in text, readme
+
+
+def _commands(text, start):
+    """Every command line in `text` that starts with `start`, backslash continuations joined, split as a shell would."""
+    lines = text.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in (ln.strip() for ln in lines) if line.startswith(start)]
+
+
+def test_the_readmes_and_chapter_14_give_the_same_gpu_commands():
+    """Qwen2-1.5B-Instruct on GPUs: the download and the take-away script's launch that chapter 14 prints (en and zh)
+    are the ones both READMEs show, and the script declares every flag the launch gives it."""
+    printed = {}
+    for notebook in ("14_swift_and_llamafactory.ipynb", "zh/14_swift_and_llamafactory.ipynb"):
+        cells = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))["cells"]
+        printed[notebook] = "".join("".join(out.get("text", "")) for c in cells if c["cell_type"] == "code"
+                                    for out in c["outputs"])
+    shown = {readme: (ROOT / readme).read_text(encoding="utf-8") for readme in ("README.md", "README.zh.md")}
+    for start in ("modelscope download --model Qwen/Qwen2-1.5B-Instruct",
+                  "deepspeed --num_gpus 2 train_sft.py --deepspeed --deepspeed_config ds_config.json"):
+        found = {where: [c for c in _commands(text, start) if "Qwen2-1.5B-Instruct" in c]
+                 for where, text in {**printed, **shown}.items()}
+        assert all(len(commands) == 1 for commands in found.values()), found
+        assert len({tuple(commands[0]) for commands in found.values()}) == 1, found
+    launch_words = found["README.md"][0]
+    assert launch_words[launch_words.index("--model") + 1] == "Qwen2-1.5B-Instruct"
+    declared = set(re.findall(r'add_argument\("(--\w+)"', _script())) | {"--deepspeed", "--deepspeed_config"}
+    assert {w for w in launch_words[launch_words.index("train_sft.py"):] if w.startswith("--")} <= declared

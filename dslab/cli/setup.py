@@ -151,7 +151,7 @@ def _estimate(args):
               "optimizer_states": args.optimizer_states, "muon_fraction": args.muon_fraction}
     try:
         rep = memory.bytes_per_rank(args.params, args.world_size, args.zero, args.precision, args.offload_optimizer,
-                            args.offload_param, **choice)
+                            args.offload_param, trainable=args.trainable, **choice)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -160,9 +160,11 @@ def _estimate(args):
         est = memory.deepspeed_estimate(args.params, args.world_size, args.zero, args.offload_optimizer,
                                         args.offload_param)
         if est:
+            # its functions take one parameter count and give each parameter gradients and optimizer states
+            some_frozen = rep.get("trainable", rep["params"]) < rep["params"]
             print(f"DeepSpeed's {est['function']}: {memory.human(est['device'])} per GPU, "
                   f"{memory.human(est['host'])} per CPU (it also counts fp32 gradients and a 1.5x host buffer "
-                  "factor)")
+                  "factor" + ("; it assumes every parameter trains" if some_frozen else "") + ")")
     return 0
 
 
@@ -257,6 +259,9 @@ def _add_setup_args(parser):
 def _add_memory_commands(subparsers):
     est = subparsers.add_parser("estimate", help="ZeRO model-state bytes per rank from the paper's formulas")
     est.add_argument("--params", type=float, required=True, help="number of parameters Ψ (1.5e9 works)")
+    est.add_argument("--trainable", type=float, default=None,
+                     help="how many of them train (default: all). LoRA: the adapters, with --params counting them "
+                     "too; a frozen parameter keeps only its weight (2 bytes in bf16), no gradient or optimizer state")
     _add_setup_args(est)
     est.add_argument("--precision", default="bf16", choices=list(memory.BYTES_PER_PARAM))
     est.add_argument("--optimizer", default="adam", choices=memory.OPTIMIZERS,

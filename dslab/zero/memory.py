@@ -71,7 +71,7 @@ def check_setup(zero_stage, world_size, precision="bf16", offload_optimizer=Fals
 
 
 def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimizer=False, offload_param=False,
-           optimizer="adam", master_weights="fp32", optimizer_states="fp32", muon_fraction=None):
+           optimizer="adam", master_weights="fp32", optimizer_states="fp32", muon_fraction=None, trainable=None):
     """Model-state bytes per rank from the ZeRO paper: {"params", "grads", "optimizer", "total", "offloaded"}.
 
     Ψ = params, N = world_size, K = 12 (mixed-precision Adam): stage 0 (2+2+K)Ψ, stage 1 4Ψ + KΨ/N,
@@ -79,11 +79,17 @@ def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimiz
     offload_optimizer moves the optimizer states plus an fp32 copy of the gradient partition there,
     offload_param (stage 3) moves the parameter partition. optimizer, master_weights, optimizer_states and
     muon_fraction change K (see optimizer_bytes): the newer levers of chapter 13.
+
+    trainable (default: all of params) is how many of the params train, e.g. LoRA's adapters (params then counts
+    the adapters too). A frozen parameter has no gradient and no optimizer state: it keeps only its weight in the
+    training dtype (2 bytes in bf16), which chapter 05 measures on ZeRO-2 ranks. So the weights term stays
+    per-parameter x params, and the gradient and optimizer terms count the trainable ones only.
     """
     if not math.isfinite(params):
         raise ValueError(say("number.finite", name="params", value=params))
     if not params >= 1:
         raise ValueError(say("number.at_least", name="params", least=1, value=params))
+    trained = float(params) if trainable is None else check_trainable(trainable, params)
     check_setup(zero_stage, world_size, precision, offload_optimizer, offload_param, optimizer, master_weights,
                 optimizer_states, muon_fraction)
     psi, n, per = float(params), world_size, BYTES_PER_PARAM[precision]
@@ -91,14 +97,14 @@ def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimiz
                         offload_optimizer)
     device = {
         "params": per["params"] * psi / (n if zero_stage >= 3 else 1),
-        "grads": per["grads"] * psi / (n if zero_stage >= 2 else 1),
-        "optimizer": k["total"] * psi / (n if zero_stage >= 1 else 1),
+        "grads": per["grads"] * trained / (n if zero_stage >= 2 else 1),
+        "optimizer": k["total"] * trained / (n if zero_stage >= 1 else 1),
     }
     host = 0.0
     if offload_optimizer:
         # The optimizer step runs on the CPU: states there, and the gradient partition goes there too (in the
         # master weights' dtype: fp32, or bf16 with bf16 master weights).
-        host += device["optimizer"] + k["host_grads"] * psi / n
+        host += device["optimizer"] + k["host_grads"] * trained / n
         device["optimizer"] = 0.0
         if zero_stage >= 2:
             device["grads"] = 0.0  # stage 1 still keeps full 16-bit gradients until the accumulation boundary
@@ -113,6 +119,18 @@ def theory(params, world_size=1, zero_stage=0, precision="bf16", offload_optimiz
 
 def _whole(x):
     return int(round(x))
+
+
+def check_trainable(trainable, params):
+    """trainable as a float, or ValueError: it must be a finite number from 1 to params (the trainable parameters
+    are some of the model's)."""
+    if not math.isfinite(trainable):
+        raise ValueError(say("number.finite", name="trainable", value=trainable))
+    if not trainable >= 1:
+        raise ValueError(say("number.at_least", name="trainable", least=1, value=trainable))
+    if trainable > params:
+        raise ValueError(say("memory.trainable_above_params", trainable=trainable, params=params))
+    return float(trainable)
 
 
 def comm_volume(params, zero_stage, precision="bf16"):
@@ -290,15 +308,17 @@ def levers(params, world_size, zero_stage=2, muon_fraction=0.5, precision="bf16"
 
 
 def bytes_per_rank(params, world_size, zero_stage, precision="bf16", offload_optimizer=False, offload_param=False,
-           measured=None, **choice):
+           measured=None, trainable=None, **choice):
     """The JSON object `dslab estimate` / `dslab measure` print: theory, and measured per rank if given.
 
     choice: optimizer, master_weights, optimizer_states, muon_fraction (as theory()); reported when not the
-    paper's (LEVER_DEFAULTS), so a plain report stays what it was.
+    paper's (LEVER_DEFAULTS), so a plain report stays what it was. trainable (as theory()) is reported when given.
     """
-    bytes_in_theory = theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param, **choice)
+    bytes_in_theory = theory(params, world_size, zero_stage, precision, offload_optimizer, offload_param,
+                             trainable=trainable, **choice)
     out = {"zero_stage": zero_stage, "world_size": world_size, "params": int(params), "precision": precision,
            "offload_optimizer": bool(offload_optimizer), "offload_param": bool(offload_param),
+           **({} if trainable is None else {"trainable": int(trainable)}),
            **{key: value for key, value in choice.items() if value != LEVER_DEFAULTS.get(key)},
            "theory": bytes_in_theory}
     if measured is not None:
@@ -356,8 +376,9 @@ def describe_levers(rep):
 
 def format_report(rep):
     """A small text table: theory, then each rank, in MiB, with measured/theory of the total."""
-    head = (f"ZeRO-{rep['zero_stage']}, {rep['world_size']} rank(s), Ψ = {rep['params']:,} parameters, "
-            f"{rep['precision']}" + (", offload optimizer" if rep["offload_optimizer"] else "")
+    head = (f"ZeRO-{rep['zero_stage']}, {rep['world_size']} rank(s), Ψ = {rep['params']:,} parameters"
+            + (f" ({rep['trainable']:,} trainable)" if "trainable" in rep else "") + f", {rep['precision']}"
+            + (", offload optimizer" if rep["offload_optimizer"] else "")
             + (", offload params" if rep["offload_param"] else "") + describe_levers(rep))
     cols = ("params", "grads", "optimizer", "total", "offloaded", "buffers")
     big = max(rep["theory"]["total"], rep["theory"]["offloaded"]) >= 2**30
