@@ -16,7 +16,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
         test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-notebooks-00-06-lane test-notebooks-07-14-lane \
         test-browser-exercises-lane test-browser-if-chromium \
-        test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools
+        test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools test-latest
 
 setup: $(STAMP)
 
@@ -201,6 +201,28 @@ endif
 test-tools: setup tool-venvs
 	$(BIN)/python -m pytest -q tests/test_tools_runs.py
 	$(BIN)/python -m pytest -q --nbval notebooks/14_swift_and_llamafactory.ipynb --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
+
+# dslab.compat's checks (tests/test_compat.py) against the newest DeepSpeed on PyPI: a scratch venv with the kit's
+# other pins, then `pip install --upgrade deepspeed`, so that a release that breaks a private name dslab relies on is
+# seen the day it ships. Not part of `make test` (it downloads); a CI job can run it every day.
+LATEST_VENV := build/latest-deepspeed
+# Every pin of pyproject.toml's dependencies and dev extra but deepspeed's (read when the target runs).
+LATEST_PINS = $(shell $(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print(" ".join(d for d in p["dependencies"] + p["optional-dependencies"]["dev"] if not d.startswith("deepspeed")))')
+
+# The tests run with the scratch venv's tools first on PATH, not .venv's: DeepSpeed takes the first `ninja` there.
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PY) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade pip
+ifeq ($(HAS_GPU),)
+	# CPU machine: the CPU wheel first, as `make setup` does
+	$(LATEST_VENV)/bin/pip install --quiet torch==2.13.0
+endif
+	$(LATEST_VENV)/bin/pip install --quiet $(LATEST_PINS)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade deepspeed
+	$(LATEST_VENV)/bin/pip install --quiet --no-deps -e .
+	$(LATEST_VENV)/bin/python -c "import deepspeed; print('DeepSpeed', deepspeed.__version__)"
+	PATH=$(abspath $(LATEST_VENV))/bin:$$PATH $(LATEST_VENV)/bin/python -m pytest -q tests/test_compat.py
 
 bench: setup
 	$(BIN)/python benchmarks/course_bench.py

@@ -135,16 +135,17 @@ def default_timeouts():
 
 
 # Rank 0 of a world of one (gloo, an in-process store): N all-reduces, then the sequence numbers of the collectives
-# torch's flight recorder kept. _dump_fr_trace_json is private torch API (the leading underscore): what a dump writes.
+# torch's flight recorder kept (read through private torch API: dslab.compat.flight_recorder_dump).
 _RECORDER_PROBE = """
 import json, sys
 import torch
 import torch.distributed as dist
+from dslab.compat import flight_recorder_dump
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 x = torch.ones(1)
 for _ in range(int(sys.argv[1])):
     dist.all_reduce(x)
-record = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
+record = flight_recorder_dump()
 print(json.dumps([entry["collective_seq_id"] for entry in record.get("entries", [])]))
 dist.destroy_process_group()
 """

@@ -188,29 +188,24 @@ def this_machine():
 # --------------------------------------------------------------------------- the nbval hook
 
 
+def compare(cell, test, ref, exact):
+    """One cell's outputs by the rule above: `cell` and `exact` (nbval's own comparison) as
+    dslab.compat.compare_nbval_outputs_by hands them over."""
+    notebook = cell.notebook_metadata
+    if facts_that_differ(notebook, cell.metadata, this_machine):
+        return True  # the output shows what this machine can do; the cell's asserts still ran
+    test, problems = align(test, ref, tolerance(notebook, cell.metadata), cell.sanitize)
+    same = exact(test, ref)
+    if not same and problems:
+        cell.explain("numbers outside the declared tolerance (tests/nbval_numbers.py):\n  " + "\n  ".join(problems))
+    return same
+
+
 def install():
     """Make nbval compare by the rule above (called from the root conftest.py when nbval is loaded)."""
-    from nbval.plugin import IPyNbCell
+    from dslab.compat import compare_nbval_outputs_by
 
-    if getattr(IPyNbCell, "_dslab_rule", False):
-        return
-    exact = IPyNbCell.compare_outputs
-
-    def compare_outputs(self, test, ref, skip_compare=None):
-        notebook = self.parent.nb.metadata
-        differ = facts_that_differ(notebook, self.cell.metadata, this_machine)
-        if differ:  # the output shows what this machine can do; the cell's asserts still ran
-            self.comparison_traceback = []
-            return True
-        test, problems = align(test, ref, tolerance(notebook, self.cell.metadata), self.sanitize)
-        same = exact(self, test, ref, skip_compare)
-        if not same and problems:
-            self.comparison_traceback.append("numbers outside the declared tolerance (tests/nbval_numbers.py):\n  "
-                                             + "\n  ".join(problems))
-        return same
-
-    IPyNbCell.compare_outputs = compare_outputs
-    IPyNbCell._dslab_rule = True
+    compare_nbval_outputs_by(compare)
 
 
 def pytest_configure(config):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dslab import env
+from dslab import compat, env
 from dslab.launch import machine
 from dslab.cli import main
 from support import FP16_REFUSAL, force_fp16_support
@@ -137,11 +137,9 @@ def test_op_cache_location_follows_torch_extensions_dir(monkeypatch, tmp_path):
 
 
 def test_extensions_dir_is_the_one_torch_uses(monkeypatch, tmp_path):
-    from torch.utils.cpp_extension import _get_build_directory
-
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # torch creates the folder it returns: keep it here
-    assert env.extensions_dir() / "some_op" == Path(_get_build_directory("some_op", False))
+    assert env.extensions_dir() / "some_op" == Path(compat.torch_extension_dir("some_op"))
     assert str(env.extensions_dir()).startswith(str(tmp_path))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import deepspeed  # noqa: F401  (its first import logs the accelerator it chose: here, not in a check's output)
 import pytest
 
-from dslab import exercises
+from dslab import compat, exercises
 from dslab.exercises import ch02_amp_clip, ch08, ch09
 
 from support import accepted, refused, said
@@ -56,22 +56,6 @@ def deepspeed_reads(monkeypatch):
     return reads
 
 
-class EngineParts:
-    """DeepSpeedEngine's own methods on a DeepSpeedConfig, without a model, a process group or an engine: what
-    `_configure_basic_optimizer` (and `get_optimizer_configuration`) build from the config."""
-
-    def __init__(self, ds_config):
-        self._config, self.client_optimizer, self.zenflow = ds_config, None, False
-
-    def __getattr__(self, name):
-        import types
-
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        attr = getattr(DeepSpeedEngine, name)
-        return types.MethodType(attr, self) if callable(attr) else attr
-
-
 @pytest.fixture
 def engine_optimizer(deepspeed_reads):
     """built(section): (class name, lr) of the optimizer DeepSpeed's engine code builds from an "optimizer"
@@ -82,7 +66,7 @@ def engine_optimizer(deepspeed_reads):
         section = copy.deepcopy(section)
         section.setdefault("params", {})["torch_adam"] = True
         read = deepspeed_reads({"train_micro_batch_size_per_gpu": 1, "optimizer": section}, 1)
-        optimizer = EngineParts(read)._configure_basic_optimizer(torch.nn.Linear(4, 2).parameters())
+        optimizer = compat.engine_basic_optimizer(read, torch.nn.Linear(4, 2).parameters())
         return type(optimizer).__name__, optimizer.param_groups[0]["lr"]
 
     return built

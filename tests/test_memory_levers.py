@@ -21,7 +21,7 @@ def test_k_of_each_lever_per_stage(n):
     f = 0.75
     cases = {  # (choice, K at ZeRO 1-2, K at ZeRO-3): optimizer-state bytes per parameter
         "adam": ({}, 12, 12),
-        # ZeRO 1-2: the bf16 momentum and its staged copy (stage_1_and_2.py, _muon_staging_momentum); ZeRO-3: one
+        # ZeRO 1-2: the bf16 momentum and its staged copy (dslab.compat.muon_staged_momentum); ZeRO-3: one
         "muon": ({"optimizer": "muon", "muon_fraction": f}, 4 + f * (2 + 2) + (1 - f) * 8, 4 + f * 2 + (1 - f) * 8),
         "bf16 masters + states": ({"master_weights": "bf16", "optimizer_states": "bf16"}, 2 + 2 + 2, 2 + 2 + 2),
     }

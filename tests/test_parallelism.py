@@ -2,6 +2,7 @@
 bubble fit, and the configs and counters of the tensor-parallel and hpZ runs."""
 import pytest
 
+from dslab import compat
 from dslab.parallel import hpz, pipeline, tensor_parallel
 
 
@@ -108,18 +109,11 @@ def test_tiny_layers_are_dslab_tinys_pieces_in_order():
     assert all((a == b).all() for a, b in zip(layers.parameters(), again.parameters()))   # seeded: the same weights
 
 
-def test_forget_groups_clears_what_a_later_engine_would_read():
+def test_forget_groups_clears_what_a_later_engine_would_read(monkeypatch):
+    """What DeepSpeed keeps is read in tests/test_compat.py; here, that forget_groups clears all of it."""
     from deepspeed.utils import groups
 
-    names = ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu", "mesh_device",
-             "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK")
-    saved = {name: getattr(groups, name) for name in names}
-    try:
-        for name in names:
-            setattr(groups, name, object())   # what a pipeline's or AutoTP's engine leaves behind
-        tensor_parallel.forget_groups()
-        assert all(getattr(groups, name) is None for name in names)
-        assert groups._get_model_parallel_world_size() == 1   # a later engine sees no model parallelism
-    finally:
-        for name, value in saved.items():
-            setattr(groups, name, value)
+    for name in compat.PARALLEL_GROUP_NAMES:
+        monkeypatch.setattr(groups, name, object())   # what a pipeline's or AutoTP's engine leaves behind
+    tensor_parallel.forget_groups()
+    assert all(getattr(groups, name) is None for name in compat.PARALLEL_GROUP_NAMES)

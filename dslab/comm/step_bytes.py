@@ -174,7 +174,7 @@ def _zero3(trace, ready, shard, n, s, notes, first_step):
     for _ in _close_when_full(shard, [sub_group]) if sum(shard) > sub_group else [shard]:
         ops.append(_op("all_reduce", "gradient norm (squared, summed over ranks)", 1,
                        "fp32" if s["offload_optimizer"] else "fp64"))
-    # _post_step: the persistent parameters are re-gathered one by one after the update
+    # after the update (stage3.py's post-step): the persistent parameters are re-gathered one by one
     for p in sorted(keep):
         ops.append(_op("all_gather_into_tensor", "a persistent parameter, re-gathered after the update", shard[p],
                        precision, 1, '"stage3_param_persistence_threshold": 0'))

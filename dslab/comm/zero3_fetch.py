@@ -31,7 +31,7 @@ def model_trace(shape=None):
     with torch.device("meta"):
         net(input_ids=torch.zeros(1, 2, dtype=torch.long))
     index = {id(p): i for i, p in enumerate(net.parameters())}
-    modules = [sorted(index[id(p)] for p in m._parameters.values() if p is not None) for m in order]
+    modules = [sorted(index[id(p)] for _, p in m.named_parameters(recurse=False)) for m in order]
     return {"numels": [p.numel() for p in net.parameters()], "modules": modules}
 
 

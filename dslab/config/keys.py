@@ -9,8 +9,10 @@ the signatures of the classes DeepSpeed builds. dslab.config.check compares a co
 """
 from functools import lru_cache
 
-# Read from the raw config outside DeepSpeedConfig._initialize_params (deepspeed.initialize and
-# DeepSpeedConfig.__init__ / _do_warning_check), so the probe below cannot see them.
+from dslab import compat
+
+# Read from the raw config outside the section readers the probe runs (deepspeed.initialize, and DeepSpeedConfig's
+# __init__ and warning checks), so the probe below cannot see them.
 _EXTRA_TOP_KEYS = {"sequence_parallel_size": "posint", "data_parallel_size": "posint", "vocabulary_size": "int"}
 _PROBE = "__dslab_probe__"
 
@@ -118,40 +120,33 @@ def schema():
     key: the pydantic model DeepSpeed validates that section with}, "auto_ok": keys for which "auto" is one of
     DeepSpeed's own values}. Computed once per process (it imports DeepSpeed).
     """
-    from deepspeed.runtime import config as ds_config
     from deepspeed.runtime import constants
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
     from deepspeed.utils import logger
 
     models = {}
-    original_init = DeepSpeedConfigModel.__init__
 
-    def spying_init(self, strict=False, **data):
+    def built(model, data):
         if _PROBE in data:  # this model was built from the section we planted the marker in
-            models[data.pop(_PROBE)] = type(self)
-        original_init(self, strict=strict, **data)
+            models[data.pop(_PROBE)] = model
 
     def read(param_dict):
-        probe = ds_config.DeepSpeedConfig.__new__(ds_config.DeepSpeedConfig)
-        probe._param_dict, probe.world_size, probe.global_rank = param_dict, 1, 0
         try:
-            probe._initialize_params(param_dict)
+            compat.read_config_sections(param_dict)
         except Exception:  # a scalar reader given our probe dict; what it looked up is already noted
             pass
 
     level = logger.level
     logger.setLevel("ERROR")
-    DeepSpeedConfigModel.__init__ = spying_init
     try:
-        top_keys = set()
-        read(_Recorder({_PROBE: ""}, top_keys))
-        nested = {}
-        for key in sorted(top_keys):
-            seen = set()
-            read(_Recorder({key: _Recorder({_PROBE: key}, seen), _PROBE: ""}, set()))
-            nested[key] = seen
+        with compat.watching_config_models(built):
+            top_keys = set()
+            read(_Recorder({_PROBE: ""}, top_keys))
+            nested = {}
+            for key in sorted(top_keys):
+                seen = set()
+                read(_Recorder({key: _Recorder({_PROBE: key}, seen), _PROBE: ""}, set()))
+                nested[key] = seen
     finally:
-        DeepSpeedConfigModel.__init__ = original_init
         logger.setLevel(level)
 
     # optimizer/scheduler "params" are read only when "type" is present, so the probe misses them.
@@ -178,11 +173,11 @@ def schema():
         else:
             children[key] = None  # a scalar, or a section whose keys DeepSpeed does not fix (e.g. pipeline)
     children = {k: v for k, v in children.items() if v is not None}
+    removed = compat.removed_config_keys()
     zero = children.get("zero_optimization")
     if zero is not None:
-        zero["removed"] = dict(getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}))
-    top = _section(top_keys | set(_EXTRA_TOP_KEYS), kinds, children,
-                   removed=getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
+        zero["removed"] = removed["zero_optimization"]
+    top = _section(top_keys | set(_EXTRA_TOP_KEYS), kinds, children, removed=removed["top"])
     # Keys where "auto" is DeepSpeed's own value (data_types.keep_in_fp32_modules), not the HF placeholder.
     auto_ok = {getattr(constants, name[:-len("_DEFAULT")]) for name, value in vars(constants).items()
                if name.endswith("_DEFAULT") and value == "auto"

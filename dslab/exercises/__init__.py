@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dslab import course
+from dslab import compat, course
 from dslab.exercises import feedback, progress
 
 _REGISTRY = {}
@@ -69,10 +69,10 @@ def require_valid_config(cfg, world_size, device="cpu", note=""):
 # A learner's ds_config as DeepSpeed reads it (the checkers of 02.bf16_config, 09.ds_config, 11.tp_dp_config)
 # ----------------------------------------------------------------------------------------------------
 # deepspeed 0.19.8, runtime/config.py, DeepSpeedConfig.__init__: the world size is dist.get_world_size() when no mpu
-# is given (1 when no process group is up), divided by "sequence_parallel_size" where the config has it;
-# `_configure_train_batch_size` = `_set_batch_related_parameters` (the missing batch key derived by integer division)
-# + `_batch_assertion` (train_batch_size == micro x accumulation x world size, each > 0). runtime/engine.py,
-# `_configure_basic_optimizer` / `get_optimizer_configuration`: "Adam" and "AdamW" pop adam_w_mode (default true,
+# is given (1 when no process group is up), divided by "sequence_parallel_size" where the config has it; then the
+# batch sizes: the missing batch key derived by integer division, and train_batch_size == micro x accumulation x
+# world size asserted, each > 0. runtime/engine.py, the engine's basic optimizer (dslab.compat.engine_basic_optimizer
+# runs it) and `get_optimizer_configuration`: "Adam" and "AdamW" pop adam_w_mode (default true,
 # ADAM_W_MODE_DEFAULT) and build AdamW when the type is AdamW or adam_w_mode is true; torch_adam gives torch.optim's
 # AdamW / Adam, an optimizer offload DeepSpeedCPUAdam, else FusedAdam; any other type is getattr(torch.optim, type).
 def resolved_config(cfg, world_size):
@@ -82,21 +82,13 @@ def resolved_config(cfg, world_size):
     import copy
     import logging
 
-    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
-
-    class OnRanks(DeepSpeedConfig):
-        """DeepSpeedConfig with the task's world size instead of this process's (which has no process group)."""
-
-        def _initialize_params(self, param_dict):
-            sequence_parallel = param_dict.get("sequence_parallel_size", 1)
-            self.world_size = world_size / sequence_parallel if sequence_parallel != 1 else world_size
-            super()._initialize_params(param_dict)
+    from deepspeed.runtime.config import DeepSpeedConfigError
 
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)   # it logs the world size and deprecations; a Mistake says what matters
     try:
-        return OnRanks(copy.deepcopy(cfg))
+        return compat.config_on_ranks(copy.deepcopy(cfg), world_size)
     except (AssertionError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError,
             DeepSpeedConfigError) as err:
         words = " ".join(line.strip() for line in str(err).splitlines()[:3]) or type(err).__name__

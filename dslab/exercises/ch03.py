@@ -4,6 +4,7 @@ DeepSpeed run with accumulation, written by the learner and run on 2 and 3 ranks
 Solutions: notebooks/solutions/03_solutions.py."""
 import random
 
+from dslab import compat
 from dslab.training.accumulation import (accumulate_backward, big_batch_backward, count_targets, equivalent, grads,
                                          small_lm, split, token_batch)
 from dslab.exercises import Mistake, engine_loop, exercise, expect, loops, references
@@ -49,9 +50,7 @@ class _Passes:
         logits.register_hook(self._backward)
 
     def _backward(self, grad):
-        import torch
-
-        task = torch._C._current_graph_task_id()
+        task = compat.autograd_graph_task_id()
         self.reached[task] = self.reached.get(task, 0) + 1
 
     def remove(self):

@@ -1,6 +1,7 @@
 """Chapter 07 (inference): AutoTP all-reduces and shards, and an init_inference call checked on 2 and 3 ranks.
 
 Solutions: notebooks/solutions/07_solutions.py."""
+from dslab import compat
 from dslab.exercises import Mistake, exercise, expect, on_ranks
 
 def _wrong_init_inference(**kwargs):
@@ -52,9 +53,9 @@ def draw_case(world_size, rng=None):
 
 def _checked_engine_init(original, world_size):
     """InferenceEngine.__init__ as the trial runs it: a tp_size other than the job's ranks is named on every rank
-    before DeepSpeed builds its group. DeepSpeed 0.19.8 (inference/engine.py, _create_model_parallel_group) makes the
-    group of ranks 0 .. tp_size - 1: a rank outside it fails to shard the layers (tp_size -1, "AutoTP shard sizes []
-    ... do not sum") while the others wait for it in a collective."""
+    before DeepSpeed builds its group. DeepSpeed 0.19.8 (inference/engine.py, where the engine makes its
+    model-parallel group) makes the group of ranks 0 .. tp_size - 1: a rank outside it fails to shard the layers
+    (tp_size -1, "AutoTP shard sizes [] ... do not sum") while the others wait for it in a collective."""
     import functools
 
     @functools.wraps(original)
@@ -84,10 +85,11 @@ def init_inference_trial(make_engine, case):
 
     world_size = torch_dist.get_world_size()
     # What an earlier exercise's engine left in this process (the checks of a test session share their ranks): DeepSpeed
-    # keeps the first inference engine's tensor-parallel group (InferenceEngine.inference_mp_group) and gives it to
-    # every later one, and an AutoTP training engine switches AutoTP to training mode for good (module_inject/layers.py,
-    # set_autotp_mode), in which init_inference takes the training groups instead of making its own.
-    InferenceEngine.inference_mp_group = None
+    # keeps the first inference engine's tensor-parallel group and gives it to every later one
+    # (compat.forget_inference_group), and an AutoTP training engine switches AutoTP to training mode for good
+    # (module_inject/layers.py, set_autotp_mode), in which init_inference takes the training groups instead of making
+    # its own.
+    compat.forget_inference_group()
     set_autotp_mode(training=False)
     tokenizer, model = loading.load_tokenizer(), loading.load_model().eval()
     ids = tokenizer(infer.prompt_text(tokenizer, case["question"], chat=True), return_tensors="pt")
@@ -110,7 +112,7 @@ def init_inference_trial(make_engine, case):
     if not isinstance(engine, InferenceEngine):
         raise Mistake(f"that returned a {type(engine).__name__}: return the InferenceEngine that "
                       "deepspeed.init_inference(model, ...) gives back")
-    if engine._config.replace_with_kernel_inject:
+    if compat.inference_config(engine).replace_with_kernel_inject:
         raise Mistake("replace_with_kernel_inject=True asks for DeepSpeed's fused GPU kernels; there are none for "
                       "Qwen2 and no GPU here, so DeepSpeed leaves the model's layers as they were. Use "
                       "replace_with_kernel_inject=False (AutoTP: the model's own layers)")

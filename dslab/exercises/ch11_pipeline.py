@@ -6,6 +6,7 @@ train_batch calls the trial saw), the losses must be what train_batch returned, 
 after training must be those of the same layers trained in one process, which every rank computes itself.
 Registered when dslab.exercises.ch11 imports it.
 """
+from dslab import compat
 from dslab.exercises import Mistake, exercise, on_ranks
 
 
@@ -95,13 +96,13 @@ def weight_distances(triples):
 
 def stage_against_twin(net, before, after):
     """weight_distances of the layers this rank's stage of the learner's PipelineModule holds, against the same layers
-    of the one-process twin (layer i of the stage is the twin's layer _local_start + i); None where the stage's layers
-    are not the twin's."""
+    of the one-process twin (layer i of the stage is the twin's layer compat.pipeline_local_start(net) + i); None where
+    the stage's layers are not the twin's."""
     import torch
 
-    triples = []
+    triples, start = [], compat.pipeline_local_start(net)
     for i, layer in enumerate(net.forward_funcs):
-        index = net._local_start + i
+        index = start + i
         if not isinstance(layer, torch.nn.Module) or index >= len(after):
             return None
         mine, trained, initial = (dict(m.named_parameters()) for m in (layer, after[index], before[index]))
@@ -188,10 +189,10 @@ def pipeline_trial(train_pipeline, case):
                       "PipelineModule gives a PipelineEngine")
     net = engine.module
     group = engine.optimizer.param_groups[0]
-    held = pipeline.stage_parameters(net)
+    held, specs = pipeline.stage_parameters(net), compat.pipeline_layer_specs(net)
     found = {"losses": [float(x) for x in losses] if isinstance(losses, (list, tuple)) else repr(losses)[:80],
              "stage": net.stage_id, "num_stages": net.num_stages, "layers": held["layers"], "params": held["params"],
-             "all_layers": len(net._layer_specs), "specs": all(isinstance(s, LayerSpec) for s in net._layer_specs),
+             "all_layers": len(specs), "specs": all(isinstance(s, LayerSpec) for s in specs),
              "accumulation": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
              "clipping": engine.gradient_clipping(), "lr": group.get("lr"), "weight_decay": group.get("weight_decay"),
              "loss_fn": getattr(net.loss_fn, "__name__", type(net.loss_fn).__name__),

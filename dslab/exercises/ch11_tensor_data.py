@@ -6,6 +6,7 @@ the asked autotp_size, and must have stepped once per step (engine.global_steps)
 of the weights each rank holds after training, must be those of one process averaging the replicas' gradients, which
 every rank computes itself. Registered when dslab.exercises.ch11 imports it.
 """
+from dslab import compat
 from dslab.exercises import Mistake, exercise, on_ranks
 from dslab.exercises.ch11_pipeline import WEIGHT_TOLERANCE, known_refusal, weight_distances
 
@@ -69,7 +70,7 @@ TENSOR_DATA_REFUSALS = (
 
 def replica_against_one_process(module, before, after):
     """weight_distances of the weights this rank holds of the learner's AutoTP model, against the same slices of one
-    process's model: a split weight is compared with the slice DeepSpeed's layer keeps (its _partition_sizes, at its
+    process's model: a split weight is compared with the slice DeepSpeed's layer keeps (its partition sizes, at its
     tp_index). None where a weight has no counterpart."""
     trained, initial = dict(after.named_parameters()), dict(before.named_parameters())
     triples = []
@@ -80,7 +81,7 @@ def replica_against_one_process(module, before, after):
         for whole in (trained[name], initial[name]):
             if whole.shape != weight.shape:
                 owner = module.get_submodule(name.rpartition(".")[0])
-                sizes, index = getattr(owner, "_partition_sizes", None), getattr(owner, "tp_index", None)
+                sizes, index = compat.autotp_partition_sizes(owner), getattr(owner, "tp_index", None)
                 dims = [d for d in range(whole.dim()) if whole.shape[d] != weight.shape[d]]
                 if sizes is None or index is None or len(dims) != 1 or sum(sizes) != whole.shape[dims[0]]:
                     return None

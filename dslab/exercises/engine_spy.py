@@ -101,9 +101,8 @@ class EngineSpy:
             self._wrap(out[1], "step", before=self._optimizer_step_by_hand, inside=True)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         self.optimizer_name = type(inner).__name__
-        zero = engine._config.zero_config
-        self.offload_devices = {"optimizer": str(getattr(zero.offload_optimizer, "device", "none")),
-                                "param": str(getattr(zero.offload_param, "device", "none"))}
+        self.offload_devices = {"optimizer": str(getattr(engine.zero_offload_optimizer(), "device", "none")),
+                                "param": str(getattr(engine.zero_offload_param(), "device", "none"))}
         return out
 
     def _forward(self, module, inputs, output):

@@ -14,6 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from dslab import compat
+
 EXAMPLE_HOSTFILE = """\
 # one line per machine: a name ssh can reach, and how many processes (GPUs) it runs
 worker-0 slots=4
@@ -33,9 +35,7 @@ def decode_world_info(text):
 
 def parse_hostfile(text):
     """{host: slots} from hostfile text, parsed by DeepSpeed's own parser (ValueError on a bad line)."""
-    from deepspeed.launcher.runner import _parse_hostfile
-
-    return dict(_parse_hostfile(text.splitlines()))
+    return dict(compat.parse_hostfile(text.splitlines()))
 
 
 def resolve(hostfile_text, include="", exclude=""):

@@ -1,8 +1,8 @@
 """Tensor-parallel training with DeepSpeed AutoTP: what each rank holds, what it sends, and a one-process twin.
 
 `"tensor_parallel": {"autotp_size": T}` in a ds_config makes deepspeed.initialize split a Hugging Face model's
-linear layers across groups of T ranks (deepspeed/runtime/engine.py, _apply_autotp_partitioning): column-split
-layers (DeepSpeed's LinearLayer: q/k/v, gate/up) keep a slice of the output features, row-split layers
+linear layers across groups of T ranks (deepspeed/runtime/engine.py, where the engine partitions for AutoTP):
+column-split layers (DeepSpeed's LinearLayer: q/k/v, gate/up) keep a slice of the output features, row-split layers
 (LinearAllreduce: o_proj, down_proj) a slice of the input features and all-reduce their partial sums. For
 dslab-tiny the tied embedding and output head are split by vocabulary rows too (VocabParallelEmbedding /
 VocabParallelLinear, with a loss that never gathers the logits): transformers adds "embed_tokens":
@@ -15,6 +15,8 @@ The training itself (the "tensor_parallel" config, the loop, reading the grid fr
 learner's, in chapter 11; what is here measures it: the shards a rank holds, the collectives it ran, and the same
 training in one process to compare losses with.
 """
+from dslab import compat
+
 # DeepSpeed's tensor-parallel layer classes (deepspeed/module_inject/layers.py) and how each splits its weight.
 SPLITS = {"LinearLayer": "output features (column)", "LinearAllreduce": "input features (row), then all-reduce",
           "VocabParallelEmbedding": "vocabulary rows", "VocabParallelLinear": "vocabulary rows (tied to the embedding)"}
@@ -74,8 +76,8 @@ def shard_census(module):
         if kind not in SPLITS:
             continue
         weight = child.weight
-        # DeepSpeed's layers keep the unsplit shape they were built from (layers.py sets _orig_weight_shape)
-        full = tuple(child._orig_weight_shape) if hasattr(child, "_orig_weight_shape") else tuple(weight.shape)
+        # DeepSpeed's layers keep the unsplit shape they were built from
+        full = compat.autotp_full_weight_shape(child) or tuple(weight.shape)
         layers.append({"name": name, "class": kind, "local": tuple(weight.shape), "full": full})
         if id(weight) in seen:
             continue  # the output head tied to the embedding: one tensor
@@ -120,14 +122,10 @@ def forget_groups():
     """Let the next engine in this process build its own parallel groups: what a new process would give.
 
     DeepSpeed keeps the grid of an engine that had one in module-level state (deepspeed/utils/groups.py): a
-    PipelineEngine's topology as `groups.mpu`, AutoTP's tensor x data mesh (`_init_tp_mesh_device` returns at once
+    PipelineEngine's topology as `groups.mpu`, AutoTP's tensor x data mesh (AutoTP's mesh set-up returns at once
     when a tensor-parallel group exists). An engine initialized later in the same process reads them even without a
     grid of its own: a ZeRO engine after a pipeline takes the stages for model parallelism and fails
     (engine.py, `self.mpu.get_model_parallel_rank()` on None), and a second AutoTP engine keeps the first one's size.
-    The process groups themselves stay; only DeepSpeed's pointers to them are cleared.
+    The process groups themselves stay; only DeepSpeed's pointers to them are cleared (dslab.compat).
     """
-    from deepspeed.utils import groups
-
-    for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
-                 "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"):
-        setattr(groups, name, None)
+    compat.forget_parallel_groups()

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from dslab import compat
 from dslab.models.loading import DTYPES
 
 
@@ -65,14 +66,7 @@ def kernel_inject_families():
     """Names of the transformer block classes DeepSpeed has a kernel-injection policy for."""
     from deepspeed.module_inject.replace_policy import replace_policies
 
-    names = set()
-    for policy in replace_policies:
-        policy(None)  # instantiating fills _orig_layer_class (None when that model library is missing)
-        classes = policy._orig_layer_class
-        for cls in classes if isinstance(classes, list) else [classes]:
-            if cls is not None:
-                names.add(cls.__name__)
-    return sorted(names)
+    return sorted({cls.__name__ for policy in replace_policies for cls in compat.kernel_policy_layer_classes(policy)})
 
 
 def accelerator_is_cuda():

@@ -7,6 +7,7 @@ allocator, so it works on the CPU accelerator too; dslab.zero.memory gives the n
 """
 import re
 
+from dslab import compat
 from dslab.zero.memory import PARTS
 
 
@@ -56,18 +57,6 @@ class _Ledger:
         out["total"] = sum(out[part] for part in PARTS)
         out["detail"] = dict(sorted(detail.items(), key=lambda kv: -kv[1]))
         return out
-
-
-# Readable names for the buffers DeepSpeed's ZeRO optimizers keep (attribute names in deepspeed 0.19).
-BUFFER_NAMES = {
-    "ipg_buckets": "reduce bucket (reduce_bucket_size)",
-    "accumulated_grads_in_cpu": "16-bit gradient accumulation",
-    "param_buffer_of_bit16_for_cpu_offload_groups": "16-bit parameter staging",
-    "temp_grad_buffer_for_cpu_offload": "gradient staging",
-    "temp_grad_buffer_for_gpu_offload": "gradient staging",
-    "_global_grad_norm": "gradient norm",
-    "inf_or_nan_tracker": "overflow flag",
-}
 
 
 def _unique_params(module):
@@ -175,7 +164,7 @@ def measure_engine(engine):
             ledger.add(value, "optimizer", f"Adam {name}", host=off_opt)
     # Muon under ZeRO 1-2: a staged copy of each group's momentum, kept between steps (stage_1_and_2.py,
     # _muon_staging_momentum: a step writes it and commits it to the state only if the step is not skipped)
-    for staged, _ in (getattr(wrapper, "_muon_pending_momentum", None) or {}).values():
+    for staged in compat.muon_staged_momentum(wrapper):
         ledger.add(staged, "optimizer", "Muon staged momentum", host=off_opt)
     # 3. gradients on the accelerator: full p.grad (stages 0-1) or this rank's partition (stages 2-3)
     if stage == 2 and not off_opt:
@@ -193,7 +182,7 @@ def measure_engine(engine):
     if wrapper is not inner:
         def visit(tensor, path):
             name = re.sub(r"\[[^\]]*\]", "", path).strip(".").split(".")[0] or "tensors"
-            label = BUFFER_NAMES.get(name, f"buffer: {name}")
+            label = compat.ZERO_BUFFER_LABELS.get(name, f"buffer: {name}")
             ledger.add(tensor, "buffers", label, host=off_opt and "cpu" in name)  # *_cpu_* live on the host
 
         _walk(wrapper, visit)

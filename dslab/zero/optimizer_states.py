@@ -17,6 +17,7 @@ import json
 import os
 from pathlib import Path
 
+from dslab import compat
 from dslab.zero import engine_memory
 
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
@@ -64,7 +65,7 @@ def census(engine):
                 add(label, name, value)
     # DeepSpeed keeps this dict between steps (stage_1_and_2.py, _muon_staging_momentum): optimizer state in all
     # but name, which dslab.zero.engine_memory counts under "optimizer" too
-    for staged, _ in (getattr(wrapper, "_muon_pending_momentum", None) or {}).values():
+    for staged in compat.muon_staged_momentum(wrapper):
         add("muon", "staged momentum", staged)
     return [{"group": g, "state": s, "dtype": d, "elements": e, "bytes": b}
             for (g, s, d), (e, b) in sorted(totals.items())]
