@@ -269,10 +269,13 @@ def time_train_batch(engine, micro_batch, micro_batches, repeats=3):
     return best
 
 
-def time_busy_stages(micro_batches=(1, 2, 4, 8), stages=2, forward_s=0.015, backward_s=0.030, repeats=3):
+def time_busy_stages(micro_batches=(1, 2, 4, 8), stages=2, forward_s=0.030, backward_s=0.060, repeats=5):
     """Run on every rank: DeepSpeed's schedule timed on `stages` Busy layers (one per stage; with more ranks than
     stages, several pipelines side by side), train_batch for each micro-batch count, then ZeRO-2 asked of the same
     module. Returns {"seconds": {m: fastest of `repeats` train_batch calls}, "zero2_refused": DeepSpeed's message}.
+
+    Waits of 30 + 60 ms and the fastest of 5 calls: against slots of that size the few milliseconds a loaded machine
+    adds to a step (the sends, a rank waiting for a core) stay small, so the line's intercept reads as p - 1 slots.
 
     A refused deepspeed.initialize has already hooked the module's parameters, which is why it comes last.
     """
