@@ -63,7 +63,7 @@ WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 TRAINING       := tests/test_takeaway.py tests/test_architectures.py
 
 test: setup
-	@echo "four lanes side by side (about 26 minutes on 2 cores); each lane's output comes when it ends"
+	@echo "four lanes side by side (about 24 minutes on 2 cores with setup); each lane's output comes when it ends"
 	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06-lane test-notebooks-07-14-lane \
 		test-browser-exercises-lane
 

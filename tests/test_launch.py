@@ -84,15 +84,19 @@ def test_the_rank_that_failed_first_is_named_not_the_one_left_waiting(tmp_path):
 
 
 def test_cli_exits_nonzero_fast_on_failure(tmp_path):
+    """The failing rank ends the job, not the clock: the CLI reports it long before its --timeout. (Starting the job
+    takes 10-30 s on 2 busy cores, so the bound is the timeout's, not a speed goal.)"""
     script = _script(tmp_path, "cli_fails_on_rank0.py", FAILING)
+    timeout = 120
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "dslab.cli", "launch", "--world-size", "2",
-                           "--run-dir", str(tmp_path / "runs"), "--timeout", "60", str(script), "--fail_rank", "0"],
-                          capture_output=True, text=True, timeout=90)
+                           "--run-dir", str(tmp_path / "runs"), "--timeout", str(timeout), str(script),
+                           "--fail_rank", "0"], capture_output=True, text=True, timeout=timeout + 60)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "rank 0 failed" in proc.stderr and "ValueError: rank 0 fails on purpose" in proc.stderr
-    assert elapsed < 30, f"CLI took {elapsed:.0f} s to report the failure"
+    assert "did not finish within" not in proc.stderr
+    assert elapsed < timeout * 0.75, f"CLI took {elapsed:.0f} s to report the failure (its timeout: {timeout} s)"
     assert_no_strays(script)
 
 
