@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dslab import files
 from dslab.launch.machine import ensure_build_tools_on_path
-from dslab.launch.supervise import RESULT_DIR_ENV  # noqa: F401 (also read as dist.RESULT_DIR_ENV)
+from dslab.launch.supervise import RESULT_DIR_ENV  # noqa: F401 (also read as this_rank.RESULT_DIR_ENV)
 
 
 

@@ -5,6 +5,7 @@ Solutions: notebooks/solutions/10_solutions.py."""
 import copy
 
 from dslab.comm.wire import RING_FACTORS
+from dslab.config.build import BUCKET_SIZE
 from dslab.exercises import Mistake, exercise, expect, on_ranks, require_valid_config
 
 # 10.nccl_zero2: 16 GPUs. DeepSpeed's default all-reduces the gradients and all-gathers the parameters; reduced to
@@ -30,7 +31,7 @@ _BASE = {
     "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0, "bf16": {"enabled": True},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**22, "allgather_bucket_size": 2**22},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET_SIZE, "allgather_bucket_size": BUCKET_SIZE},
     "comms_logger": {"enabled": True, "prof_all": True},
 }
 

@@ -15,6 +15,7 @@ sent and received, per peer, while ZeRO-3 fetched parameters (`FetchBytes`).
 import copy
 
 from dslab.comm import gloo_bytes, wire
+from dslab.config.build import BUCKET_SIZE
 
 
 def zero3_config(zero_hpz_partition_size=1, micro_batch_size=2):
@@ -24,7 +25,7 @@ def zero3_config(zero_hpz_partition_size=1, micro_batch_size=2):
     small (prefetching, reuse distance, live-parameter budget); persistence 0 partitions even the small norms.
     """
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
-            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 2**22}
+            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": BUCKET_SIZE}
     if zero_hpz_partition_size > 1:
         zero["zero_hpz_partition_size"] = zero_hpz_partition_size
     return {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": 1,
