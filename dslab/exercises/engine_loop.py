@@ -88,7 +88,7 @@ def _device(zero, what):
     return block.get("device", "none") if isinstance(block, dict) else "none"
 
 
-def check_config(answer, case):
+def check_learner_config(answer, case):
     """In this process, before any rank starts: the learner's make_config for this case, as DeepSpeed reads it."""
     from dslab.config.check import check_config as problems_of
 
@@ -458,7 +458,7 @@ def check(answer, task):
     """03.engine_loop (task "accumulate") and 04.offload_loop (task "offload"): True, or a Mistake."""
     functions(answer)
     return on_ranks.check(TRIAL, tuple(answer), lambda world_size: draw_case(task, world_size), diagnose,
-                          before=check_config)
+                          before=check_learner_config)
 
 
 def prepare(answers, task):
@@ -475,7 +475,7 @@ def prepare(answers, task):
         runnable = []
         for answer in fit:
             try:
-                check_config(answer, case)
+                check_learner_config(answer, case)
             except Exception:      # refused before any rank starts: nothing to run
                 continue
             runnable.append(answer)
