@@ -148,7 +148,8 @@ CHAPTERS = (
             title="ms-swift and LLaMA-Factory, run for real", title_zh="真正运行 ms-swift 和 LLaMA-Factory",
             teach_minutes=45, exercise_minutes=5,
             modules=("dslab.data", "dslab.exercises", "dslab.launch", "dslab.launch.tools", "dslab.models.evaluate",
-                     "dslab.plots", "dslab.this_rank", "dslab.training.equivalents", "dslab.training.tool_data"),
+                     "dslab.plots", "dslab.this_rank", "dslab.training.equivalents", "dslab.training.tool_data",
+                     "dslab.zero.memory"),
             tool_venvs=True),
 )
 
