@@ -78,7 +78,6 @@ MULTIRANK = (
     "tests/test_memory.py::test_try_config_names_the_rank_error_quietly",  # a launched rank
     "tests/test_memory_levers.py::test_measured_optimizer_bytes_match_theory_on_two_ranks",  # these two share
     "tests/test_memory_levers.py::test_bf16_masters_lose_updates_smaller_than_half_a_step",  # the session's live ranks
-    "tests/test_multinode.py::test_two_nodes_equal_one_node",
     "tests/test_sft.py::test_zero3_lora_run_saves_a_real_adapter_that_merges_and_resumes_exactly",
     "tests/test_sft.py::test_training_script_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
     "tests/test_sft.py::test_recipe_step_is_the_mean_over_every_label_token_of_all_micro_batches_and_ranks",
@@ -163,15 +162,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 # --------------------------------------------------------------------------- shared expensive runs
-
-@pytest.fixture(scope="session")
-def accumulation_on_two_ranks(tmp_path_factory):
-    """The `accumulation` recipe launched once on 2 ranks (deepspeed launcher), for every test that checks it:
-    test_accumulation.py (its results) and test_multinode.py (2 nodes give the same results as 1 node)."""
-    from dslab import launch
-
-    return launch.run("accumulation", world_size=2, run_dir=tmp_path_factory.mktemp("accumulation"), stream=False)
-
 
 @pytest.fixture(scope="session")
 def live_two_ranks():

@@ -84,8 +84,10 @@ def test_activations_grow_with_micro_batch_not_accumulation_steps():
     assert data["accum"][0][1] == data["accum"][1][1]
 
 
-def test_accumulation_recipe_on_two_ranks(accumulation_on_two_ranks):
-    r = accumulation_on_two_ranks.rank0
+def test_accumulation_recipe_on_two_ranks(tmp_path):
+    from dslab import launch
+
+    r = launch.run("accumulation", world_size=2, run_dir=tmp_path, stream=False).rank0
     runs = r["runs"]
     for name in ("accumulate", "big_micro_batch", "accumulate_zero1"):
         assert runs[name]["vs_reference"]["rel_diff"] < 1e-5, name

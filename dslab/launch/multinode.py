@@ -1,18 +1,15 @@
-"""Multi-node launching, shown for real on one machine: hostfiles, --include/--exclude, and a 2-node job on localhost.
+"""Multi-node launching, shown for real on one machine: hostfiles, --include/--exclude, and a 2-node job's hostfile.
 
 On a cluster, `deepspeed --hostfile H script.py` reads the hostfile, applies --include/--exclude, encodes
 the chosen {host: [slots]} as base64 "world info", and asks pdsh to ssh into every host and run
 `python -m deepspeed.launcher.launch --world_info=B64 --node_rank=%n --master_addr=A --master_port=P script.py`
 there. Without ssh, the same job is one `deepspeed --hostfile H --no_ssh --node_rank=i ...` typed on each node
-(or `torchrun --nnodes N --node_rank i ...`); this module builds those commands, and dslab.launch runs them, all
-on localhost.
+(or `torchrun --nnodes N --node_rank i ...`); chapter 08 types those commands itself and runs them all on localhost
+with dslab.launch.run_commands, with the hostfile local_hostfile writes.
 """
 import base64
 import json
-import os
-import shlex
 import sys
-from pathlib import Path
 
 from dslab import compat
 
@@ -69,42 +66,3 @@ def local_hostfile(n_nodes=2, procs_per_node=1):
     """Hostfile text for an n_nodes-node job on this machine: made-up node names (the launcher only uses them as
     keys of the world info when --no_ssh is given), procs_per_node slots each."""
     return "".join(f"node{i} slots={procs_per_node}\n" for i in range(n_nodes))
-
-
-def node_commands(script, hostfile, n_nodes=2, procs_per_node=1, master_port=29500, launcher="deepspeed",
-                  master_addr="127.0.0.1", script_args=()):
-    """The command line to type on each node (node rank 0..n-1) to start `script` (a path, or a dslab recipe name)
-    as one job, without ssh: `deepspeed --hostfile H --no_ssh --node_rank=i ...` or `torchrun --nnodes N --node_rank i ...`."""
-    from dslab.launch import recipe_module
-
-    module = recipe_module(script)
-    commands = []
-    for i in range(n_nodes):
-        if launcher == "deepspeed":
-            cmd = ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", f"--node_rank={i}",
-                   "--master_addr", master_addr, "--master_port", str(master_port)]
-            cmd += ["--module", module] if module else [str(script)]
-        elif launcher == "torchrun":
-            cmd = ["torchrun", "--nnodes", str(n_nodes), "--node_rank", str(i), "--nproc_per_node", str(procs_per_node),
-                   "--master_addr", master_addr, "--master_port", str(master_port)]
-            cmd += ["-m", module] if module else [str(script)]
-        else:
-            raise ValueError("launcher must be 'deepspeed' or 'torchrun'")
-        commands.append(shlex.join(cmd + [str(a) for a in script_args]))
-    return commands
-
-
-def run_local_nodes(script, n_nodes=2, procs_per_node=1, launcher="deepspeed", timeout=None, stream=None,
-                    run_dir=None, script_args=(), **recipe_kwargs):
-    """Run `script` as an n_nodes-node job on this machine: each node's own launcher command, all started together
-    by dslab.launch.run_commands (which starts and supervises them). Returns its LaunchResult; LaunchError if a
-    node fails."""
-    from dslab import launch
-    from dslab.files import atomic_write_text
-
-    name = f"{Path(str(script)).stem}-{n_nodes}nodes-{launcher}"
-    hostfile = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / f"{name}.hostfile"
-    atomic_write_text(hostfile, local_hostfile(n_nodes, procs_per_node))
-    args = list(script_args) + launch.recipe_argv(recipe_kwargs)
-    commands = node_commands(script, hostfile, n_nodes, procs_per_node, launch.free_port(), launcher, script_args=args)
-    return launch.run_commands(commands, timeout=timeout, stream=stream, run_dir=run_dir, name=name)
