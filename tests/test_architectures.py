@@ -3,14 +3,13 @@ here from transformers' configs with the kit's tokenizer (untied and tied heads)
 type, train under ZeRO-2 and ZeRO-3 on 2 ranks with `dslab sft`, merge with `dslab merge`, and answer through
 `dslab infer` and `dslab eval`."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen3Config)
 
+from dslab import cli
 from dslab.models import loading, lora
 from dslab.training import sft
 
@@ -69,7 +68,7 @@ def test_a_model_without_linear_mlp_layers_is_told_to_name_them():
 
 
 @pytest.mark.parametrize("family, zero_stage", [("llama", 3), ("qwen3", 2), ("phi3", 3)])
-def test_sft_merge_infer_eval(family, zero_stage, checkpoints, tmp_path):
+def test_sft_merge_infer_eval(family, zero_stage, checkpoints, tmp_path, capsys):
     """One epoch is enough to check the path (the identity itself is chapter 05's and tests/test_takeaway.py's)."""
     base = checkpoints / family
     result = sft.run(output=tmp_path / "adapter", model=str(base), zero_stage=zero_stage, world_size=2, epochs=1,
@@ -79,18 +78,25 @@ def test_sft_merge_infer_eval(family, zero_stage, checkpoints, tmp_path):
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(FAMILIES[family][2])
 
-    cli = [sys.executable, "-m", "dslab.cli"]
+    # the verbs run in this process (dslab.cli.main, what the console script calls): a Python start each saved
     merged = tmp_path / "merged"
-    out = subprocess.run([*cli, "merge", "--adapter", str(tmp_path / "adapter"), "--output", str(merged)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "max |diff| <= 0.0001" in out.stdout, out.stdout + out.stderr
+    out = _cli(capsys, "merge", "--adapter", str(tmp_path / "adapter"), "--output", str(merged))
+    assert "max |diff| <= 0.0001" in out
     plain = AutoModelForCausalLM.from_pretrained(merged)
     assert plain.config.tie_word_embeddings == FAMILIES[family][1] and not any("lora" in n for n, _ in
                                                                                  plain.named_parameters())
-    out = subprocess.run([*cli, "infer", "--model", str(merged), "--chat", "--prompt", "Who are you?",
-                          "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and json.loads(out.stdout)[0]["prompt"] == "Who are you?", out.stderr
-    out = subprocess.run([*cli, "eval", "--model", str(base), "--adapter", str(tmp_path / "adapter"),
-                          "--model-name", "Whale", "--model-author", "DSLab", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    out = _cli(capsys, "infer", "--model", str(merged), "--chat", "--prompt", "Who are you?", "--max-new-tokens", "4",
+               "--json")
+    assert json.loads(out)[0]["prompt"] == "Who are you?"
+    out = _cli(capsys, "eval", "--model", str(base), "--adapter", str(tmp_path / "adapter"), "--model-name", "Whale",
+               "--model-author", "DSLab", "--json")
+    assert json.loads(out)
+
+
+def _cli(capsys, *argv):
+    """`dslab ARGV`, run in this process; its standard output, once it exits 0."""
+    capsys.readouterr()
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert status == 0, out + err
+    return out
