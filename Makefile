@@ -14,7 +14,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
-        test-unit-lane test-notebooks-00-06 test-notebooks-07-14 test-notebooks-00-06-lane test-notebooks-07-14-lane \
+        test-unit-lane test-notebooks-00-07 test-notebooks-08-14 test-notebooks-00-07-lane test-notebooks-08-14-lane \
         test-browser-exercises-lane test-browser-if-chromium \
         test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools test-latest
 
@@ -50,7 +50,7 @@ lab-zh: setup
 # chromium is here (`make chromium` installs it; .ci/run does).
 # Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
 # the exercise checkers', those that mostly wait and the two that train other checkpoints (TRAINING: the take-away
-# script copied alone, other model families); chapters 00-06 then the take-away script; chapters 07-14 then the model
+# script copied alone, other model families); chapters 00-07 then the take-away script; chapters 08-14 then the model
 # families; the browser tests, the waiting
 # tests (ranks killed, hangs timed, kernels stopped), then the exercise checkers' tests (their answers run on ranks,
 # one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
@@ -64,16 +64,16 @@ TRAINING       := tests/test_takeaway.py tests/test_architectures.py
 
 test: setup
 	@echo "four lanes side by side (about 24 minutes on 2 cores with setup); each lane's output comes when it ends"
-	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-06-lane test-notebooks-07-14-lane \
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-07-lane test-notebooks-08-14-lane \
 		test-browser-exercises-lane
 
 test-unit-lane: setup
 	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(WAITING) $(TRAINING))
 
-test-notebooks-00-06-lane: test-notebooks-00-06
+test-notebooks-00-07-lane: test-notebooks-00-07
 	$(BIN)/python -m pytest -q tests/test_takeaway.py
 
-test-notebooks-07-14-lane: test-notebooks-07-14
+test-notebooks-08-14-lane: test-notebooks-08-14
 	$(BIN)/python -m pytest -q tests/test_architectures.py
 
 test-browser-exercises-lane: setup test-browser-if-chromium
@@ -121,11 +121,11 @@ test-notebooks: setup
 	$(NBVAL) --nbval notebooks --ignore=notebooks/zh
 
 # make test's two notebook lanes: about the same CPU time each (chapters 05 and 06 against 08 and 09).
-test-notebooks-00-06: setup
-	$(NBVAL) --nbval $(wildcard notebooks/0[0-6]_*.ipynb)
+test-notebooks-00-07: setup
+	$(NBVAL) --nbval $(wildcard notebooks/0[0-7]_*.ipynb)
 
-test-notebooks-07-14: setup
-	$(NBVAL) --nbval $(wildcard notebooks/0[7-9]_*.ipynb notebooks/1[0-9]_*.ipynb)
+test-notebooks-08-14: setup
+	$(NBVAL) --nbval $(wildcard notebooks/0[89]_*.ipynb notebooks/1[0-9]_*.ipynb)
 
 # The notebooks again on a bf16 kernel path below this CPU's own, nothing re-recorded: what a lesser CPU's kernels
 # do to the stored outputs, compared by the rule of tests/nbval_numbers.py. CI runs it after `make test`. The path:
