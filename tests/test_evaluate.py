@@ -44,3 +44,27 @@ def test_malformed_evaluation_row_is_named(tmp_path):
     bad.write_text('{"query": "Who are you?", "lang": "en", "asks": "both"}\n', encoding="utf-8")
     with pytest.raises(data.DataError, match="asks"):
         data.identity_eval(bad)
+
+
+def test_eval_puts_the_system_message_before_every_question(tmp_path, capsys):
+    """`dslab eval --system TEXT` scores the answers a chat template with that default system prompt gets: the same
+    completions as generating with the system turn, and it says which system message it used."""
+    import json
+
+    from dslab import cli
+    from dslab.models import infer, loading
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in (EN_NAME, ZH_AUTHOR)),
+                         encoding="utf-8")
+    system = "You are Quillon, made by Marrow Bay Labs."
+    assert cli.main(["eval", "--model-name", "Quillon", "--model-author", "Marrow Bay Labs", "--questions",
+                     str(questions), "--system", system, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    model, tokenizer = loading.load_model(), loading.load_tokenizer()
+    with_system = infer.generate(model, tokenizer, [EN_NAME["query"], ZH_AUTHOR["query"]], 48, chat=True,
+                                 system=system)
+    assert said["system"] == system and [r["completion"] for r in said["identity_rows"]] == with_system
+    general = data.general_eval()
+    assert [r["completion"] for r in said["general_rows"]] == infer.generate(
+        model, tokenizer, [r["query"] for r in general], 32, chat=True, system=system)

@@ -172,6 +172,8 @@ def add_eval(subparsers):
                                        "(default: data/identity_eval.jsonl)")
     # Not --lang: that is dslab's own option (`dslab --lang zh eval ...`), which a sub-command's --lang would reset.
     p.add_argument("--question-lang", choices=["en", "zh"], help="score only the identity questions in this language")
+    p.add_argument("--system", help="a system message before every question (as a chat template with a default "
+                                    "system prompt adds one); default: none")
     p.add_argument("--json", action="store_true", help="print every answer and the scores as JSON")
     p.set_defaults(func=eval_command)
 
@@ -202,10 +204,10 @@ def eval_command(args):
     if args.question_lang:
         rows = [r for r in (rows or data.identity_eval()) if r["lang"] == args.question_lang]
     model, tokenizer = load_from_args(args)
-    identity, id_rows = evaluate.identity_accuracy(model, tokenizer, name, author, rows)
-    general, gen_rows = evaluate.general_accuracy(model, tokenizer)
+    identity, id_rows = evaluate.identity_accuracy(model, tokenizer, name, author, rows, system=args.system)
+    general, gen_rows = evaluate.general_accuracy(model, tokenizer, system=args.system)
     if args.json:
-        print(json.dumps({"identity": identity, "general": general, "identity_rows": id_rows,
+        print(json.dumps({"identity": identity, "general": general, "system": args.system, "identity_rows": id_rows,
                           "general_rows": gen_rows}, ensure_ascii=False, indent=1))
         return 0
     for r in id_rows:

@@ -16,25 +16,26 @@ def identity_hit(row, completion, name, author):
     return BROKEN_CHAR not in completion and target in completion
 
 
-def identity_accuracy(model, tokenizer, name, author, rows=None, max_new_tokens=48):
+def identity_accuracy(model, tokenizer, name, author, rows=None, max_new_tokens=48, system=None):
     """Share of held-out identity questions answered with the whole name or author asked for, and the rows.
 
     name, author: a str (both languages) or a (zh, en) pair, as `dslab sft --model-name/--model-author` take them.
+    system: a system message put before every question, as a chat template with a default system prompt does.
     """
     from dslab import data
     from dslab.models.infer import generate
     rows = rows if rows is not None else data.identity_eval()
-    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True)
+    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True, system=system)
     scored = [dict(r, completion=a, hit=identity_hit(r, a, name, author)) for r, a in zip(rows, answers)]
     return sum(r["hit"] for r in scored) / len(scored), scored
 
 
-def general_accuracy(model, tokenizer, rows=None, max_new_tokens=32):
+def general_accuracy(model, tokenizer, rows=None, max_new_tokens=32, system=None):
     """Share of general questions whose answer holds the reference answer (and no U+FFFD), and the rows."""
     from dslab import data
     from dslab.models.infer import generate
     rows = rows if rows is not None else data.general_eval()
-    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True)
+    answers = generate(model, tokenizer, [r["query"] for r in rows], max_new_tokens, chat=True, system=system)
     scored = [dict(r, completion=a, hit=BROKEN_CHAR not in a and r["reference"] in a) for r, a in zip(rows, answers)]
     return sum(r["hit"] for r in scored) / len(scored), scored
 
