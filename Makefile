@@ -49,9 +49,9 @@ lab-zh: setup
 # Everything: unit tests (tests/gpu skips itself on a CPU machine), the notebooks, and the browser tests when
 # chromium is here (`make chromium` installs it; .ci/run does).
 # Four lanes side by side, each one's output shown when it ends (--output-sync), not interleaved: the unit tests but
-# the exercise checkers', those that mostly wait and the two that train other checkpoints (TRAINING: the take-away
-# script copied alone, other model families); chapters 00-07 then the take-away script; chapters 08-14 then the model
-# families; the browser tests, the waiting
+# the exercise checkers', those that mostly wait and those that make other checkpoints (TRAINING: the take-away
+# script copied alone, `dslab build-base` and the kit's model, other model families); chapters 00-07 then the
+# take-away script and the kit's model; chapters 08-14 then the model families; the browser tests, the waiting
 # tests (ranks killed, hangs timed, kernels stopped), then the exercise checkers' tests (their answers run on ranks,
 # one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
 # timeouts) and, split so, end at about the same time.
@@ -60,7 +60,7 @@ UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_redteam_ranks_a.py \
                   tests/test_redteam_ranks_b.py tests/test_redteam_ranks_c.py tests/test_on_ranks_batch.py
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
-TRAINING       := tests/test_takeaway.py tests/test_architectures.py
+TRAINING       := tests/test_takeaway.py tests/test_models.py tests/test_architectures.py
 
 test: setup
 	@echo "four lanes side by side (about 24 minutes on 2 cores with setup); each lane's output comes when it ends"
@@ -71,7 +71,7 @@ test-unit-lane: setup
 	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS) $(addprefix --ignore=,$(RANK_EXERCISES) $(WAITING) $(TRAINING))
 
 test-notebooks-00-07-lane: test-notebooks-00-07
-	$(BIN)/python -m pytest -q tests/test_takeaway.py
+	$(BIN)/python -m pytest -q tests/test_takeaway.py tests/test_models.py
 
 test-notebooks-08-14-lane: test-notebooks-08-14
 	$(BIN)/python -m pytest -q tests/test_architectures.py
