@@ -48,7 +48,8 @@ def test_malformed_evaluation_row_is_named(tmp_path):
 
 def test_eval_puts_the_system_message_before_every_question(tmp_path, capsys):
     """`dslab eval --system TEXT` scores the answers a chat template with that default system prompt gets: the same
-    completions as generating with the system turn, and it says which system message it used."""
+    completions as generating with the system turn, and it says which system message it used; the perplexity on
+    held-out text comes with the scores."""
     import json
 
     from dslab import cli
@@ -65,6 +66,8 @@ def test_eval_puts_the_system_message_before_every_question(tmp_path, capsys):
     with_system = infer.generate(model, tokenizer, [EN_NAME["query"], ZH_AUTHOR["query"]], 48, chat=True,
                                  system=system)
     assert said["system"] == system and [r["completion"] for r in said["identity_rows"]] == with_system
+    from dslab.training import sft_measure
+    assert said["perplexity"] == sft_measure.text_perplexity(model, tokenizer)
     general = data.general_eval()
     assert [r["completion"] for r in said["general_rows"]] == infer.generate(
         model, tokenizer, [r["query"] for r in general], 32, chat=True, system=system)

@@ -162,7 +162,8 @@ def print_completions(prompts, completions, as_json):
 # `dslab eval`
 # ----------------------------------------------------------------------------------------------------
 def add_eval(subparsers):
-    p = subparsers.add_parser("eval", help="score identity answers (whole name/author, per language) and general answers",
+    p = subparsers.add_parser("eval", help="score identity answers (whole name/author, per language), general answers "
+                                           "and the perplexity on held-out text",
                               description="Scoring self-cognition tuning so that it cannot be fooled, and the "
                                           "`dslab eval` command.")
     add_model_arguments(p)
@@ -194,6 +195,7 @@ def eval_command(args):
 
     from dslab import data
     from dslab.models import evaluate
+    from dslab.training import sft_measure
     hf_logging.set_verbosity_error()
     name = name_from_flag(args.model_name, "--model-name")
     author = name_from_flag(args.model_author, "--model-author")
@@ -206,15 +208,16 @@ def eval_command(args):
     model, tokenizer = load_from_args(args)
     identity, id_rows = evaluate.identity_accuracy(model, tokenizer, name, author, rows, system=args.system)
     general, gen_rows = evaluate.general_accuracy(model, tokenizer, system=args.system)
+    perplexity = sft_measure.text_perplexity(model, tokenizer)   # how much general language survived the tuning
     if args.json:
-        print(json.dumps({"identity": identity, "general": general, "system": args.system, "identity_rows": id_rows,
-                          "general_rows": gen_rows}, ensure_ascii=False, indent=1))
+        print(json.dumps({"identity": identity, "general": general, "perplexity": perplexity, "system": args.system,
+                          "identity_rows": id_rows, "general_rows": gen_rows}, ensure_ascii=False, indent=1))
         return 0
     for r in id_rows:
         print(f"[{'ok' if r['hit'] else '--'}] ({r['lang']}, asks {r['asks']}) {r['query']}\n       {r['completion']}")
     per_lang = ", ".join(f"{lang} {h}/{n}" for lang, (h, n) in evaluate.by_language(id_rows).items())
     print(f"identity: {identity:.0%} ({per_lang}); general: {general:.0%} "
-          f"({sum(r['hit'] for r in gen_rows)}/{len(gen_rows)})")
+          f"({sum(r['hit'] for r in gen_rows)}/{len(gen_rows)}); held-out text perplexity {perplexity:.2f}")
     return 0
 
 
