@@ -238,7 +238,7 @@ def bench_mfu(run_dir):
             for name, run in runs.items()]
     speed = runs["fp32"]["step_seconds"] / runs["bf16"]["step_seconds"]
     rows.append(row("MFU", "bf16 / fp32: step speed, MFU", f"{speed:.2f}x, {runs['bf16']['mfu'] / runs['fp32']['mfu']:.2f}x",
-                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.precision.mfu.forward_flops"))
+                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.flops.forward_flops"))
     return rows
 
 

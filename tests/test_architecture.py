@@ -104,7 +104,7 @@ LAYERS = [
     {"this_rank"},
     {"env", "models"},
     {"zero", "precision"},
-    {"comm"},
+    {"comm", "flops"},
     {"parallel", "training"},
     {"tiny", "live", "hang_reports"},
     {"exercises"},
