@@ -1,4 +1,4 @@
-"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare` (dslab.cli.setup)."""
+"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare` (dslab.cli.preflight)."""
 import json
 import os
 import shutil
