@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.dslab-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 # The venv's tools first on PATH, for every command and every process they start: DeepSpeed JIT-builds its ops with the
-# first `ninja` on PATH, and the one installed with dslab must be it (dslab.launch.machine.ensure_build_tools_on_path).
+# first `ninja` on PATH, and the one installed with dslab must be it (dslab.machine.ensure_build_tools_on_path).
 export PATH := $(abspath $(BIN)):$(PATH)
 
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.

@@ -103,7 +103,7 @@ SLOW = (
     "tests/test_config_check.py::test_cli_as_a_module_in_a_fresh_process",
     "tests/test_env.py::test_async_io_is_probed_without_compiler_output",
     "tests/test_env.py::test_cli_env_json_parses_and_text_prints",
-    "tests/test_env.py::test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed",
+    "tests/test_env.py::test_gpu_count_is_0_when_the_gpus_are_hidden_and_imports_no_deepspeed",
     "tests/test_env.py::test_prepare_is_fast_when_cached",
     "tests/test_exercises.py::test_solution_is_accepted[04.zero3_offload]",
     "tests/test_exercises_parallel.py::test_the_next_exercise_gets_torchs_linear_back_after_a_zero3_engine",

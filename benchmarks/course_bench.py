@@ -53,7 +53,7 @@ def machine():
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "-"
-    from dslab.launch.machine import usable_cores  # affinity or the cgroup's CPU quota, the fewer
+    from dslab.machine import usable_cores  # affinity or the cgroup's CPU quota, the fewer
 
     return {"cpu": cpu, "cores": usable_cores(), "python": platform.python_version(),
             "system": f"{platform.system()} {platform.release()}", **versions}

@@ -270,7 +270,7 @@ def torch_extension_dir(name):
     """The folder torch builds and loads C++ extension `name` in (it creates it).
 
     torch.utils.cpp_extension._get_build_directory(name, verbose=False), checked against torch 2.13.0. If it changes,
-    the test that holds dslab.env.extensions_dir against torch's own choice cannot run.
+    the test that holds dslab.machine.extensions_dir against torch's own choice cannot run.
     """
     from torch.utils.cpp_extension import _get_build_directory
 

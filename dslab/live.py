@@ -28,8 +28,8 @@ import psutil
 
 from dslab.launch import hang
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
-from dslab.launch.machine import ensure_build_tools_on_path, threads_per_rank
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
+from dslab.machine import ensure_build_tools_on_path, threads_per_rank
 
 MASTER_ADDR = "127.0.0.1"   # all ranks on this machine: rank 0's store listens on loopback
 # ipyparallel gives every process of a cluster (controller, engines, their helpers) this variable; each dslab cluster

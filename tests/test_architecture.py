@@ -98,7 +98,7 @@ def test_nothing_imports_the_command_line_or_a_recipe():
 # The package's parts, bottom to top: a part imports only parts of a lower layer (and itself). A part is a subpackage
 # (dslab/comm/, ...) or a top-level module (dslab/this_rank.py). docs/architecture.md shows the same table.
 LAYERS = [
-    {"messages", "compat"},
+    {"messages", "compat", "machine"},
     {"files", "data", "plots", "course", "noise", "workshop"},
     {"launch", "config"},
     {"this_rank"},

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from dslab import launch, this_rank
-from dslab.launch import machine
+from dslab.launch import ports
 from support import assert_no_strays
 
 # Rank scripts import only dslab.this_rank (no torch), so each launch costs little more than the launcher.
@@ -127,14 +127,14 @@ def test_free_port_keeps_a_free_preferred_port():
 
 def test_a_chosen_port_lies_below_the_range_the_kernel_gives_outgoing_connections(tmp_path):
     # a port from that range can be taken by any connection before the store binds it (live ranks: minutes later)
-    first, _ = machine.ephemeral_ports()
-    assert first - machine.LOWEST_CHOSEN_PORT >= 1000   # room below it here (Linux default: 32768)
-    ports = {launch.free_port() for _ in range(20)}
-    assert all(machine.LOWEST_CHOSEN_PORT <= p < first for p in ports) and len(ports) > 1   # drawn, not alike
+    first, _ = ports.ephemeral_ports()
+    assert first - ports.LOWEST_CHOSEN_PORT >= 1000   # room below it here (Linux default: 32768)
+    drawn = {launch.free_port() for _ in range(20)}
+    assert all(ports.LOWEST_CHOSEN_PORT <= p < first for p in drawn) and len(drawn) > 1   # drawn, not alike
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("1024\t65535\n")
-    assert machine.ephemeral_ports(ranges) == (1024, 65535)
-    assert machine.ephemeral_ports(tmp_path / "absent") == (32768, 60999)
+    assert ports.ephemeral_ports(ranges) == (1024, 65535)
+    assert ports.ephemeral_ports(tmp_path / "absent") == (32768, 60999)
 
 
 def test_unknown_recipe_is_a_clear_error(tmp_path):

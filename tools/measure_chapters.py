@@ -112,7 +112,7 @@ def install_facts():
 
 
 def main(argv=None):
-    from dslab.env import cpu_info, memory_info
+    from dslab.machine import cpu_info, memory_info
 
     parser = argparse.ArgumentParser(prog="python -m tools.measure_chapters", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*",

@@ -4,8 +4,7 @@ and any other command (`sh`). Every launch follows one path: its output is shown
 the first failing rank is named with its traceback, every process is stopped at the end, and the ranks' results
 are collected. Whatever is started stops when the process that started it dies, even by SIGKILL.
 
-    machine.py    the cores a process may use (affinity, CPU quota) and threads per rank, free ports, GPUs,
-                  this environment's tools, /dev/shm buffers of finished jobs
+    ports.py      free ports for a job's rendezvous, and the /dev/shm buffers of finished jobs
     guard.py      children die with their owner: the parent-death signal and the guard process (dslab.live too)
     supervise.py  start, follow, stop, name the failing rank, collect (run_job, LaunchResult, LaunchError)
     hang.py       a job no rank of which makes progress: every rank's stack (py-spy), its collective (dslab.live too)
@@ -19,13 +18,14 @@ from pathlib import Path
 
 from dslab.launch import hang
 from dslab.launch.commands import run_commands, sh
-from dslab.launch.machine import free_port, gpu_count, port_is_free, remove_shm_buffers, remove_stale_shm_buffers, tool
+from dslab.launch.ports import free_port, port_is_free, remove_shm_buffers, remove_stale_shm_buffers
 from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_dir, rank_environment, run_job,
                                     shower)
+from dslab.machine import gpu_count, tool
 from dslab.messages import say
 
 __all__ = ["RECIPES_DIR", "NOISE", "LaunchError", "LaunchResult", "build_command", "check_environment",
-           "check_timeout", "display_command", "free_port", "gpu_count", "port_is_free", "recipe_module",
+           "check_timeout", "display_command", "free_port", "port_is_free", "recipe_module",
            "recipe_argv", "remove_shm_buffers", "remove_stale_shm_buffers", "run", "run_commands", "sh", "torchrun"]
 
 RECIPES_DIR = Path(__file__).parent.parent / "recipes"

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from dslab.launch.guard import processes_with_env
-from dslab.launch.machine import tool
+from dslab.machine import tool
 from dslab.messages import say
 
 BUSY_FRACTION = 0.05      # of one core, averaged over the window: 20x what a waiting rank used here

@@ -18,7 +18,8 @@ from pathlib import Path
 from dslab.files import atomic_write_text
 from dslab.launch import hang
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
-from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers, threads_per_rank
+from dslab.launch.ports import remove_stale_shm_buffers
+from dslab.machine import ensure_build_tools_on_path, gpu_count, threads_per_rank
 from dslab.messages import say
 
 # Where each rank leaves its JSON result (dslab.this_rank.save_rank_result); launch sets it for every rank.

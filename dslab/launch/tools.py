@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
-from dslab.launch.machine import threads_per_rank
 from dslab.launch.supervise import LaunchError
+from dslab.machine import threads_per_rank
 from dslab.messages import say
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -81,7 +81,7 @@ def ranks_here(parsed):
 def tool_environment(env, bin_dir, ranks):
     """The environment a tool command line runs with: this one, the line's own assignments (`env`), the tool's venv
     (`bin_dir`) first on PATH, and OMP_NUM_THREADS for `ranks` ranks sharing this machine's usable cores (affinity or
-    CPU quota: dslab.launch.machine.threads_per_rank) unless the line sets it. Without it, torchrun gives each of
+    CPU quota: dslab.machine.threads_per_rank) unless the line sets it. Without it, torchrun gives each of
     several ranks 1 thread and a lone rank starts one thread per core of the server, however small its quota."""
     full = dict(os.environ, **env)
     full["PATH"] = f"{bin_dir}{os.pathsep}{full.get('PATH', '')}"

@@ -35,7 +35,7 @@ class EquivalentError(ValueError):
 def plan_from_args(args):
     """The run, as plain values, from `dslab sft`'s parsed arguments: an argparse Namespace (or anything alike) with an
     attribute for each setting of dslab.training.sft_settings."""
-    from dslab import env
+    from dslab import machine
 
     sft.check_settings(vars(args))
     loading.check_model(args.model, weights=False)  # a missing folder fails; a hub id passes (the tool downloads it)
@@ -60,7 +60,7 @@ def plan_from_args(args):
     tool_steps = trainer_steps(n_examples, world_size, micro, accum, epochs)
     warmup = schedule.get("warmup_num_steps", 0)
     return {
-        "output": str(args.output), "model": model, "cwd": os.getcwd(), "use_cpu": not env.has_gpu(),
+        "output": str(args.output), "model": model, "cwd": os.getcwd(), "use_cpu": not machine.gpu_count(),
         "default_model": Path(model).resolve() == loading.DEFAULT_MODEL_DIR, "local_model": Path(model).is_dir(),
         "chat_style": chat_style(model), "architecture": architecture(model), "data": data_files,
         "model_name": list(args.model_name), "model_author": list(args.model_author), "mix_general": args.mix_general,
