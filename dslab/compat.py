@@ -257,7 +257,7 @@ def flight_recorder_dump():
     """What torch's flight recorder holds in this process, as the dict a dump file has ("entries", ...).
 
     json.loads(torch._C._distributed_c10d._dump_fr_trace_json()), checked against torch 2.13.0. If it goes,
-    dslab.hang_reports.flight_recorder_kept (chapter 12) cannot show which collectives the recorder kept.
+    dslab.hangs.diagnoses.flight_recorder_kept (chapter 12) cannot show which collectives the recorder kept.
     """
     import json
 

@@ -135,7 +135,7 @@ CHAPTERS = (
     Chapter(12, "12_debugging_hangs", "jobs that hang: process-group timeout, DETAIL, every rank's stack", 2,
             title="Debugging lab: jobs that hang", title_zh="调试实验：卡住的作业",
             teach_minutes=40, exercise_minutes=25,
-            modules=("dslab.exercises", "dslab.exercises.ch12", "dslab.hang_reports", "dslab.launch", "dslab.live",
+            modules=("dslab.exercises", "dslab.exercises.ch12", "dslab.hangs.diagnoses", "dslab.launch", "dslab.live",
                      "dslab.models.loading", "dslab.this_rank")),
     Chapter(13, "13_where_time_goes", "the flops profiler, MFU, Muon and bf16 master weights", 2,
             needs=("bf16 training",),

@@ -99,14 +99,14 @@ def test_nothing_imports_the_command_line_or_a_recipe():
 # (dslab/comm/, ...) or a top-level module (dslab/this_rank.py). docs/architecture.md shows the same table.
 LAYERS = [
     {"messages", "compat", "machine"},
-    {"files", "data", "plots", "course", "noise", "workshop"},
+    {"files", "data", "plots", "course", "noise", "workshop", "hangs"},
     {"launch", "config"},
     {"this_rank"},
     {"env", "models"},
     {"zero", "precision"},
     {"comm", "flops"},
     {"parallel", "training"},
-    {"tiny", "live", "hang_reports"},
+    {"tiny", "live"},
     {"exercises"},
     {"cli", "recipes"},
 ]
@@ -232,7 +232,7 @@ def test_every_module_and_function_on_the_page_exists():
 
 
 def named_on_the_page(path, spans):
-    """Whether a module file is named in one of the page's code spans: by its path (`dslab/launch/hang.py`), by a
+    """Whether a module file is named in one of the page's code spans: by its path (`dslab/hangs/watcher.py`), by a
     glob that matches it (`dslab/recipes/*.py`), or by its dotted name, alone or with an attribute
     (`dslab.zero.engine_memory.measure_engine`). A package's __init__.py also counts as named by its folder
     (`dslab/launch/`)."""
@@ -260,11 +260,11 @@ def test_every_module_of_the_package_is_on_the_page():
 
 
 def test_a_module_counts_as_named_by_its_path_a_glob_or_its_dotted_name():
-    hang, recipe = PACKAGE / "launch" / "hang.py", PACKAGE / "recipes" / "sft.py"
+    hang, recipe = PACKAGE / "hangs" / "watcher.py", PACKAGE / "recipes" / "sft.py"
     package = PACKAGE / "launch" / "__init__.py"
-    assert named_on_the_page(hang, ["dslab/launch/hang.py"]) and named_on_the_page(hang, ["dslab.launch.hang.x"])
+    assert named_on_the_page(hang, ["dslab/hangs/watcher.py"]) and named_on_the_page(hang, ["dslab.hangs.watcher.x"])
     assert named_on_the_page(recipe, ["dslab/recipes/*.py"]) and named_on_the_page(package, ["dslab/launch/"])
-    assert not named_on_the_page(hang, ["dslab/launch/", "dslab.launch.run", "dslab/launch/hangs.py"])
+    assert not named_on_the_page(hang, ["dslab/hangs/", "dslab.hangs.diagnoses", "dslab/hangs/watchers.py"])
     assert not named_on_the_page(PACKAGE / "hpz.py", ["dslab.hpzz", "hpz.gathers_by_pass"])
 
 

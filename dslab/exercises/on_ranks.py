@@ -121,7 +121,8 @@ def _run_together(world_size, cases):
 
 
 def _launch(jobs, world_size):
-    from dslab import hang_reports, launch
+    from dslab import launch
+    from dslab.hangs import diagnoses
 
     with tempfile.TemporaryDirectory(prefix="dslab-check-") as tmp:
         spec = Path(tmp) / "spec.json"
@@ -132,14 +133,14 @@ def _launch(jobs, world_size):
                                     timeout=TIMEOUT_S * len(jobs), hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
         except launch.LaunchError as err:
             report = str(err)
-            where = hang_reports.blocked(report)
+            where = diagnoses.blocked(report)
             if where:
                 said = "; ".join(f"rank {r} waits in {w['collective']}" for r, w in sorted(where.items()))
                 raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
                               "ranks were stopped: a collective that not every rank calls waits forever. Call every "
                               "collective, and everything that calls one (deepspeed.initialize, engine.step), on "
                               "every rank.") from None
-            if waits := hang_reports.waiting(report):   # a hang outside any collective: where each rank was
+            if waits := diagnoses.waiting(report):   # a hang outside any collective: where each rank was
                 said = "; ".join(f"rank {r} {w}" for r, w in sorted(waits.items()))
                 raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
                               "ranks were stopped.") from None

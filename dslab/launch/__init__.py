@@ -7,7 +7,6 @@ are collected. Whatever is started stops when the process that started it dies, 
     ports.py      free ports for a job's rendezvous, and the /dev/shm buffers of finished jobs
     guard.py      children die with their owner: the parent-death signal and the guard process (dslab.live too)
     supervise.py  start, follow, stop, name the failing rank, collect (run_job, LaunchResult, LaunchError)
-    hang.py       a job no rank of which makes progress: every rank's stack (py-spy), its collective (dslab.live too)
     commands.py   command lines as typed (run_commands) and sh
     __init__.py   run and torchrun of a dslab recipe or a script
 """
@@ -16,7 +15,7 @@ import os
 import shlex
 from pathlib import Path
 
-from dslab.launch import hang
+from dslab.hangs import watcher
 from dslab.launch.commands import run_commands, sh
 from dslab.launch.ports import free_port, port_is_free, remove_shm_buffers, remove_stale_shm_buffers
 from dslab.launch.supervise import (NOISE, LaunchError, LaunchResult, fresh_run_dir, rank_environment, run_job,
@@ -104,13 +103,13 @@ def run(recipe, world_size=2, timeout=None, stream=None, master_port=None, inclu
     everything, False echoes nothing. recipe_kwargs become the recipe's command-line arguments (`recipe_argv`);
     script_args are passed through verbatim. Raises LaunchError, with the failing rank's traceback, on failure.
     hang_timeout: if no rank makes progress for this many seconds, every rank's stack is read with py-spy, the job
-    is stopped and LaunchError names the collective each rank waits in (dslab.launch.hang).
+    is stopped and LaunchError names the collective each rank waits in (dslab.hangs.watcher).
     """
     check_environment(world_size, include)
     check_timeout(timeout)
     if master_port is not None and not 1 <= master_port <= 65535:
         raise LaunchError(say("launch.port", value=master_port))
-    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+    if hang_timeout is not None and (problem := watcher.unready(hang_timeout)):
         raise LaunchError(problem)   # before the run folder is emptied or anything printed
     remove_stale_shm_buffers()
     name = Path(recipe).stem
