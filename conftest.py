@@ -25,7 +25,7 @@ os.environ.setdefault("DSLAB_PROGRESS", str(Path(__file__).resolve().parent / "b
 # case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import
 # deepspeed`, a process group.
 MULTIRANK = (
-    "tests/test_accumulation.py::test_accumulation_recipe_on_two_ranks",
+    "tests/test_accumulation.py::test_accumulation_driver_on_two_ranks",
     # Checkers that launch ranks (dslab.exercises.on_ranks): every exercise's solution, wrong and hard-coded answers
     # run together in one launch per world size (tests/support.py: run_rank_exercises_together), whichever test is
     # first; the others read the results.
@@ -166,7 +166,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def accumulation_on_two_ranks(tmp_path_factory):
-    """The `accumulation` recipe launched once on 2 ranks (deepspeed launcher), for every test that checks it:
+    """The `accumulation` driver launched once on 2 ranks (deepspeed launcher), for every test that checks it:
     test_accumulation.py (its results) and test_multinode.py (2 nodes give the same results as 1 node)."""
     from dslab import launch
 

@@ -123,7 +123,7 @@ def bench_steps(run_dir):
 
 # ------------------------------------------------------------------------------------------------- memory
 def bench_memory(run_dir):
-    """Measured / theory model-state bytes per rank for each stage (dslab.zero.memory, the zero_memory recipe)."""
+    """Measured / theory model-state bytes per rank for each stage (dslab.zero.memory, the zero_memory driver)."""
     from dslab import launch
     from dslab.zero import memory
 

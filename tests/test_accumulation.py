@@ -84,7 +84,7 @@ def test_activations_grow_with_micro_batch_not_accumulation_steps():
     assert data["accum"][0][1] == data["accum"][1][1]
 
 
-def test_accumulation_recipe_on_two_ranks(accumulation_on_two_ranks):
+def test_accumulation_driver_on_two_ranks(accumulation_on_two_ranks):
     r = accumulation_on_two_ranks.rank0
     runs = r["runs"]
     for name in ("accumulate", "big_micro_batch", "accumulate_zero1"):

@@ -1,5 +1,5 @@
 """docs/architecture.md names only modules and functions that exist, and dslab's imports go one way: no cycle,
-nothing imports the command line or a recipe. Everything is read with ast: nothing of dslab is imported."""
+nothing imports the command line, a recipe or a driver. Everything is read with ast: nothing of dslab is imported."""
 import ast
 import fnmatch
 import re
@@ -86,10 +86,10 @@ def test_dslab_imports_have_no_cycle():
     assert not found, "import cycles (lazy imports count too):\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-def test_nothing_imports_the_command_line_or_a_recipe():
+def test_nothing_imports_the_command_line_a_recipe_or_a_driver():
     wrong = [f"{name} imports {target}" for name, targets in GRAPH.items() for target in sorted(targets)
              if (target.startswith("dslab.cli") and not name.startswith("dslab.cli"))
-             or target.startswith("dslab.recipes")]
+             or target.startswith(("dslab.recipes", "dslab.drivers"))]
     assert not wrong, "\n".join(wrong)
 
 
@@ -108,7 +108,7 @@ LAYERS = [
     {"parallel", "training"},
     {"tiny", "live"},
     {"exercises"},
-    {"cli", "recipes"},
+    {"cli", "recipes", "drivers"},
 ]
 
 
@@ -323,13 +323,14 @@ def test_the_private_name_finder_finds_both_forms(tmp_path):
     assert private_uses("dslab.b", pkg / "b.py", known) == ["from dslab.a import _helper", "a._helper"]
 
 
-def test_argparse_lives_in_the_command_line_and_the_recipes_only():
-    # The command line parses dslab's commands; each recipe parses its own arguments, as DeepSpeed's examples do.
+def test_argparse_lives_in_the_command_line_the_recipes_and_the_drivers_only():
+    # The command line parses dslab's commands; each recipe or driver parses its own arguments, as DeepSpeed's
+    # examples do.
     users = [name for name, path in package_modules().items()
              if re.search(r"^\s*(import argparse|from argparse import)", path.read_text(encoding="utf-8"), re.M)]
-    elsewhere = [name for name in users if not re.match(r"dslab\.(cli|recipes)(\.|$)", name)]
-    assert not elsewhere, f"argparse outside dslab/cli/ and dslab/recipes/: {elsewhere}"
-    assert "dslab.cli" in users and "dslab.recipes.sft" in users, users
+    elsewhere = [name for name in users if not re.match(r"dslab\.(cli|recipes|drivers)(\.|$)", name)]
+    assert not elsewhere, f"argparse outside dslab/cli/, dslab/recipes/ and dslab/drivers/: {elsewhere}"
+    assert {"dslab.cli", "dslab.recipes.sft", "dslab.drivers.zero_memory"} <= set(users), users
 
 
 def test_every_module_reads_in_one_sitting():

@@ -43,7 +43,7 @@ def test_runner_accepts_no_ssh_and_node_rank():
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_two_nodes_equal_one_node(tmp_path, monkeypatch, launcher, accumulation_on_two_ranks):
     monkeypatch.setenv("DSLAB_RUNS_DIR", str(tmp_path))
-    one = accumulation_on_two_ranks   # the same recipe on one node with 2 ranks (launched once per session)
+    one = accumulation_on_two_ranks   # the same driver on one node with 2 ranks (launched once per session)
     two = multinode.run_local_nodes("accumulation", n_nodes=2, procs_per_node=1, launcher=launcher, stream=False)
     assert [r["rank"] for r in two.results] == [0, 1]
     assert one.rank0 == two.rank0 and one.results[1] == two.results[1]

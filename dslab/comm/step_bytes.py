@@ -8,7 +8,7 @@ Three numbers per rank, side by side in sent_per_rank() (`dslab comm` prints it)
                               dslab.zero.partition, ZeRO-3's fetches in dslab.comm.zero3_fetch), each priced by
                               dslab.comm.gloo_bytes: what gloo writes to its sockets, headers included, and by
                               dslab.comm.nccl_bytes: what NCCL's rings would send on GPUs
-  measure(...)                new ranks run the comm_bytes recipe: the bytes each process wrote during one step
+  measure(...)                new ranks run the comm_bytes driver: the bytes each process wrote during one step
                               (/proc/self/io `wchar`) and the collectives DeepSpeed's comms logger recorded
 On live ranks, logged_messages(deepspeed.comm.log_summary(return_dict=True)) and wire.bytes_written() give the
 measured side. measure_ddp / ddp_step_bytes do the same for torch's DistributedDataParallel, with and without no_sync().

@@ -1,14 +1,14 @@
 """Checkers that run a learner's code on real ranks: N processes started by the deepspeed launcher, one process group.
 
 Kernel side, `run(trial, answers, world_size, case)`: the answers (each a tuple of the learner's functions) travel as
-source (dslab.exercises.shipping), one launch of `dslab/recipes/exercise_trial.py` runs `trial(*answer, case=case)`
+source (dslab.exercises.shipping), one launch of `dslab/drivers/exercise_trial.py` runs `trial(*answer, case=case)`
 on every rank for each answer in turn, and each rank's result comes back. What ran is remembered for the rest of the
 process, so a test that checks a solution and several wrong answers pays for one launch per world size
 (`prepare`), and checking the same code twice does not start ranks twice. Within `batched()`, runs are only noted,
 and the block's end starts one launch per world size for all of them: a test session prepares every exercise's
 answers that way (starting ranks, not running trials, is what costs on a small machine).
 
-Rank side, `serve(spec_file)`: what the recipe calls. An exception in the learner's code becomes the learner's
+Rank side, `serve(spec_file)`: what the driver calls. An exception in the learner's code becomes the learner's
 trimmed traceback (dslab.exercises.feedback), said from the rank it happened on; a `Mistake` raised by the trial, its
 message.
 """

@@ -73,11 +73,12 @@ def local_hostfile(n_nodes=2, procs_per_node=1):
 
 def node_commands(script, hostfile, n_nodes=2, procs_per_node=1, master_port=29500, launcher="deepspeed",
                   master_addr="127.0.0.1", script_args=()):
-    """The command line to type on each node (node rank 0..n-1) to start `script` (a path, or a dslab recipe name)
-    as one job, without ssh: `deepspeed --hostfile H --no_ssh --node_rank=i ...` or `torchrun --nnodes N --node_rank i ...`."""
-    from dslab.launch import recipe_module
+    """The command line to type on each node (node rank 0..n-1) to start `script` (a path, or the name of a dslab
+    recipe or driver) as one job, without ssh: `deepspeed --hostfile H --no_ssh --node_rank=i ...` or
+    `torchrun --nnodes N --node_rank i ...`."""
+    from dslab.launch import script_module
 
-    module = recipe_module(script)
+    module = script_module(script)
     commands = []
     for i in range(n_nodes):
         if launcher == "deepspeed":
@@ -95,7 +96,7 @@ def node_commands(script, hostfile, n_nodes=2, procs_per_node=1, master_port=295
 
 
 def run_local_nodes(script, n_nodes=2, procs_per_node=1, launcher="deepspeed", timeout=None, stream=None,
-                    run_dir=None, script_args=(), **recipe_kwargs):
+                    run_dir=None, script_args=(), **script_kwargs):
     """Run `script` as an n_nodes-node job on this machine: each node's own launcher command, all started together
     by dslab.launch.run_commands (which starts and supervises them). Returns its LaunchResult; LaunchError if a
     node fails."""
@@ -105,6 +106,6 @@ def run_local_nodes(script, n_nodes=2, procs_per_node=1, launcher="deepspeed", t
     name = f"{Path(str(script)).stem}-{n_nodes}nodes-{launcher}"
     hostfile = Path(run_dir or os.environ.get("DSLAB_RUNS_DIR", "runs")) / f"{name}.hostfile"
     atomic_write_text(hostfile, local_hostfile(n_nodes, procs_per_node))
-    args = list(script_args) + launch.recipe_argv(recipe_kwargs)
+    args = list(script_args) + launch.keyword_argv(script_kwargs)
     commands = node_commands(script, hostfile, n_nodes, procs_per_node, launch.free_port(), launcher, script_args=args)
     return launch.run_commands(commands, timeout=timeout, stream=stream, run_dir=run_dir, name=name)
