@@ -26,7 +26,7 @@ class Chapter:
     more_exercises: tuple = ()  # exercise modules of their own that dslab/exercises/chNN.py imports (coding exercises)
     # runs ms-swift and LLaMA-Factory in venvs of their own (make swift llamafactory), so tools.measure_chapters
     # leaves it out and its tolerances were not measured on the kit's kernel paths
-    tool_venvs: bool = False
+    framework_venvs: bool = False
 
     @property
     def nn(self):
@@ -110,7 +110,7 @@ CHAPTERS = (
             modules=("dslab.config.build", "dslab.exercises", "dslab.launch", "dslab.launch.multinode",
                      "dslab.this_rank", "dslab.training.sft")),
     Chapter(9, "09_hf_trainer", "the Hugging Face Trainer on DeepSpeed, ZeRO-3 loading and saving, accelerate", 2,
-            title="From the course to the tools people train with", title_zh="从课程走向实际训练所用的工具",
+            title="From the course to the frameworks people train with", title_zh="从课程走向实际训练所用的框架",
             teach_minutes=45, exercise_minutes=10,
             modules=("dslab.config.build", "dslab.config.check", "dslab.data", "dslab.exercises", "dslab.launch",
                      "dslab.machine", "dslab.models.evaluate", "dslab.models.loading", "dslab.models.lora",
@@ -148,10 +148,10 @@ CHAPTERS = (
             "ms-swift and LLaMA-Factory: LoRA SFT, merge, 2 nodes, in venvs of their own", 2, needs=("bf16 training",),
             title="ms-swift and LLaMA-Factory, run for real", title_zh="真正运行 ms-swift 和 LLaMA-Factory",
             teach_minutes=45, exercise_minutes=5,
-            modules=("dslab.data", "dslab.exercises", "dslab.launch", "dslab.launch.tools", "dslab.models.evaluate",
-                     "dslab.plots", "dslab.this_rank", "dslab.training.equivalents", "dslab.training.tool_data",
-                     "dslab.zero.memory"),
-            tool_venvs=True),
+            modules=("dslab.data", "dslab.exercises", "dslab.launch", "dslab.launch.frameworks",
+                     "dslab.models.evaluate", "dslab.plots", "dslab.this_rank", "dslab.training.equivalents",
+                     "dslab.training.framework_data", "dslab.zero.memory"),
+            framework_venvs=True),
 )
 
 

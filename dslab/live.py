@@ -195,7 +195,7 @@ class Ranks:
                        for m in list(self._client.outstanding) if m in metadata)
 
         self._hang_watch = watcher.watch_in_background(hang_timeout, engines, lambda: bool(self._client.outstanding),
-                                                    printed, self._stop_hung, "the live ranks")
+                                                       printed, self._stop_hung, "the live ranks")
 
     def _stop_hung(self, report):
         self.hang_report = report

@@ -129,7 +129,7 @@ def usable_cores():
 
 def threads_per_rank(ranks):
     """CPU threads each of `ranks` processes sharing this machine may use: the usable cores shared out among them.
-    Every place that starts ranks (live ranks, the launchers, the tools' runs) sets OMP_NUM_THREADS from this."""
+    Every place that starts ranks (live ranks, the launchers, the frameworks' runs) sets OMP_NUM_THREADS from this."""
     return max(1, usable_cores() // max(1, ranks))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dslab import env, live, machine
-from dslab.launch import supervise, tools
+from dslab.launch import frameworks, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,18 +138,19 @@ def test_launched_ranks_get_the_quota_s_cores_shared_out(server, monkeypatch, tm
     assert supervise.rank_environment(1, tmp_path)["OMP_NUM_THREADS"] == "2"
 
 
-def test_the_tools_runs_get_the_quota_s_cores_shared_out(server, monkeypatch, tmp_path):
+def test_the_frameworks_runs_get_the_quota_s_cores_shared_out(server, monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     server(cores=64, quota=4.0)
-    one = [tools.split_tool_command("NPROC_PER_NODE=2 swift sft --model m")]
-    two_nodes = [tools.split_tool_command(f"NNODES=2 NODE_RANK={i} NPROC_PER_NODE=1 swift sft") for i in (0, 1)]
-    single = [tools.split_tool_command("swift infer --model m")]
-    assert [tools.ranks_here(p) for p in (one, two_nodes, single)] == [2, 2, 1]
+    one = [frameworks.split_framework_command("NPROC_PER_NODE=2 swift sft --model m")]
+    two_nodes = [frameworks.split_framework_command(f"NNODES=2 NODE_RANK={i} NPROC_PER_NODE=1 swift sft")
+                 for i in (0, 1)]
+    single = [frameworks.split_framework_command("swift infer --model m")]
+    assert [frameworks.ranks_here(p) for p in (one, two_nodes, single)] == [2, 2, 1]
     bin_dir = tmp_path / ".venv-swift" / "bin"
-    assert tools.tool_environment(one[0][0], bin_dir, 2)["OMP_NUM_THREADS"] == "2"
-    assert tools.tool_environment(single[0][0], bin_dir, 1)["OMP_NUM_THREADS"] == "4"
-    own = tools.split_tool_command("OMP_NUM_THREADS=3 swift sft")[0]   # the line's own setting is kept
-    assert tools.tool_environment(own, bin_dir, 1)["OMP_NUM_THREADS"] == "3"
+    assert frameworks.framework_environment(one[0][0], bin_dir, 2)["OMP_NUM_THREADS"] == "2"
+    assert frameworks.framework_environment(single[0][0], bin_dir, 1)["OMP_NUM_THREADS"] == "4"
+    own = frameworks.split_framework_command("OMP_NUM_THREADS=3 swift sft")[0]   # the line's own setting is kept
+    assert frameworks.framework_environment(own, bin_dir, 1)["OMP_NUM_THREADS"] == "3"
 
 
 def test_the_env_report_shows_affinity_quota_and_which_wins(server, monkeypatch):

@@ -75,7 +75,7 @@ def test_profile_report_is_read_back(tmp_path):
     path.write_text(REPORT)
     assert flops.profile_summary(path)[0] == "world size:  1"
     assert flops.profile_latencies(path) == pytest.approx({"fwd": 0.04854, "bwd": 0.09696, "step": 0.02509,
-                                                         "iter": 1.7})
+                                                           "iter": 1.7})
     path.write_text(REPORT.replace("bwd latency", "xx").replace("step latency", "yy"))
     with pytest.raises(ValueError, match="wall_clock_breakdown"):
         flops.profile_latencies(path)
