@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.dslab-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 # The venv's tools first on PATH, for every command and every process they start: DeepSpeed JIT-builds its ops with the
-# first `ninja` on PATH, and the one installed with dslab must be it (dslab.launch.machine.ensure_build_tools_on_path).
+# first `ninja` on PATH, and the one installed with dslab must be it (dslab.machine.ensure_build_tools_on_path).
 export PATH := $(abspath $(BIN)):$(PATH)
 
 # Idle OpenMP threads sleep rather than spin: several ranks share a few CPU cores in this course.
@@ -16,7 +16,8 @@ export OMP_WAIT_POLICY ?= PASSIVE
 .PHONY: setup lab lab-zh test test-fast test-unit test-notebooks test-notebooks-portable test-browser test-gpu \
         test-unit-lane test-notebooks-00-07 test-notebooks-08-14 test-notebooks-00-07-lane test-notebooks-08-14-lane \
         test-browser-exercises-lane test-browser-if-chromium \
-        test-workshop test-jupyterhub slides bench chromium clean swift llamafactory tool-venvs test-tools test-latest
+        test-workshop test-jupyterhub slides bench chromium clean swift llamafactory framework-venvs test-frameworks \
+        test-latest
 
 setup: $(STAMP)
 
@@ -56,7 +57,7 @@ lab-zh: setup
 # one launch per world size). On 2 cores the lanes fill each other's waits (process starts, ranks joining a group,
 # timeouts) and, split so, end at about the same time.
 UNIT_SKIPS     := --ignore=tests/browser --ignore=tests/workshop --ignore=tests/jupyterhub \
-                  --ignore=tests/test_tools_runs.py
+                  --ignore=tests/test_frameworks_runs.py
 RANK_EXERCISES := tests/test_exercises.py tests/test_exercises_parallel.py tests/test_redteam_ranks_a.py \
                   tests/test_redteam_ranks_b.py tests/test_redteam_ranks_c.py tests/test_on_ranks_batch.py
 WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
@@ -83,7 +84,7 @@ test-browser-exercises-lane: setup test-browser-if-chromium
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests $(UNIT_SKIPS)
 
-# tests/test_tools_runs.py runs in the tools' venvs: `make test-tools`.
+# tests/test_frameworks_runs.py runs in the frameworks' venvs: `make test-frameworks`.
 test-unit: setup
 	$(BIN)/python -m pytest -q --durations=25 tests $(UNIT_SKIPS)
 
@@ -154,15 +155,15 @@ test-browser-if-chromium: setup
 	@if command -v chromium >/dev/null; then $(BIN)/python -m pytest -q tests/browser; \
 	else echo "browser tests skipped: no chromium here (make chromium installs Debian's, or run make test-browser)"; fi
 
-# The training tools of chapter 14, each in a venv of its own: their pins cannot share dslab's (ms-swift 4.6.0 needs
-# transformers<5.20 and peft<0.21; LLaMA-Factory 0.9.5 transformers<=5.6, peft<=0.18.1, accelerate<=1.11). Same
-# torch and deepspeed as dslab; everything else exactly as tools/venvs/*.txt pins it. The course works without them:
-# chapter 14's tool cells then say how to build them, and `make test` compares only what ran.
+# The training frameworks of chapter 14, each in a venv of its own: their pins cannot share dslab's (ms-swift 4.6.0
+# needs transformers<5.20 and peft<0.21; LLaMA-Factory 0.9.5 transformers<=5.6, peft<=0.18.1, accelerate<=1.11). Same
+# torch and deepspeed as dslab; everything else exactly as frameworks/*.txt pins it. The course works without them:
+# chapter 14's framework cells then say how to build them, and `make test` compares only what ran.
 SWIFT_VENV := .venv-swift
 LF_VENV    := .venv-llamafactory
 
 # DeepSpeed JIT-builds its ops into ~/.cache/torch_extensions, keyed by op name: builds from two venvs' copies of
-# DeepSpeed would replace each other there on every switch (a minute of compiling each time). So each tool venv
+# DeepSpeed would replace each other there on every switch (a minute of compiling each time). So each framework venv
 # gets its own folder, set for every Python process of the venv by a sitecustomize.py (activated or not, torchrun's
 # children too), and its shared-memory all-reduce is built now, so that no training waits for the compiler.
 define build-shm-op
@@ -173,21 +174,21 @@ endef
 
 swift: $(SWIFT_VENV)/.installed
 llamafactory: $(LF_VENV)/.installed
-tool-venvs: swift llamafactory
+framework-venvs: swift llamafactory
 
-$(SWIFT_VENV)/.installed: tools/venvs/ms-swift.txt
+$(SWIFT_VENV)/.installed: frameworks/ms-swift.txt
 	test -x $(SWIFT_VENV)/bin/python || $(PY) -m venv $(SWIFT_VENV)
 	$(SWIFT_VENV)/bin/pip install --quiet --upgrade pip
 	$(SWIFT_VENV)/bin/pip install --quiet torch==2.13.0
-	$(SWIFT_VENV)/bin/pip install --quiet --no-deps -r tools/venvs/ms-swift.txt
+	$(SWIFT_VENV)/bin/pip install --quiet --no-deps -r frameworks/ms-swift.txt
 	$(call build-shm-op,$(SWIFT_VENV))
 	touch $@
 
-$(LF_VENV)/.installed: tools/venvs/llamafactory.txt
+$(LF_VENV)/.installed: frameworks/llamafactory.txt
 	test -x $(LF_VENV)/bin/python || $(PY) -m venv $(LF_VENV)
 	$(LF_VENV)/bin/pip install --quiet --upgrade pip
 	$(LF_VENV)/bin/pip install --quiet torch==2.13.0
-	$(LF_VENV)/bin/pip install --quiet --no-deps -r tools/venvs/llamafactory.txt
+	$(LF_VENV)/bin/pip install --quiet --no-deps -r frameworks/llamafactory.txt
 ifeq ($(HAS_GPU),)
 	# llamafactory/data/mm_plugin.py imports torchaudio at start-up; the registry's torchaudio is a CUDA build whose
 	# libraries need libc10_cuda.so. Without them torchaudio imports as pure Python (torchaudio/_extension/utils.py:
@@ -197,9 +198,10 @@ endif
 	$(call build-shm-op,$(LF_VENV))
 	touch $@
 
-# Chapter 14 and the --print-equivalent runs, with both tools' venvs built (about 3 minutes to build, then ~12 to run).
-test-tools: setup tool-venvs
-	$(BIN)/python -m pytest -q tests/test_tools_runs.py
+# Chapter 14 and the --print-equivalent runs, with both frameworks' venvs built (about 3 minutes to build, then ~12 to
+# run).
+test-frameworks: setup framework-venvs
+	$(BIN)/python -m pytest -q tests/test_frameworks_runs.py
 	$(BIN)/python -m pytest -q --nbval notebooks/14_swift_and_llamafactory.ipynb --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
 
 # dslab.compat's checks (tests/test_compat.py) against the newest DeepSpeed on PyPI: a scratch venv with the kit's

@@ -25,7 +25,7 @@ os.environ.setdefault("DSLAB_PROGRESS", str(Path(__file__).resolve().parent / "b
 # case; a file or "folder/" every test in it). Each costs seconds to minutes on 2 cores: process start, `import
 # deepspeed`, a process group.
 MULTIRANK = (
-    "tests/test_accumulation.py::test_accumulation_recipe_on_two_ranks",
+    "tests/test_accumulation.py::test_accumulation_driver_on_two_ranks",
     # Checkers that launch ranks (dslab.exercises.on_ranks): every exercise's solution, wrong and hard-coded answers
     # run together in one launch per world size (tests/support.py: run_rank_exercises_together), whichever test is
     # first; the others read the results.
@@ -102,7 +102,7 @@ SLOW = (
     "tests/test_config_check.py::test_cli_as_a_module_in_a_fresh_process",
     "tests/test_env.py::test_async_io_is_probed_without_compiler_output",
     "tests/test_env.py::test_cli_env_json_parses_and_text_prints",
-    "tests/test_env.py::test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed",
+    "tests/test_env.py::test_gpu_count_is_0_when_the_gpus_are_hidden_and_imports_no_deepspeed",
     "tests/test_env.py::test_prepare_is_fast_when_cached",
     "tests/test_exercises.py::test_solution_is_accepted[04.zero3_offload]",
     "tests/test_exercises_parallel.py::test_the_next_exercise_gets_torchs_linear_back_after_a_zero3_engine",

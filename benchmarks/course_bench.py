@@ -53,7 +53,7 @@ def machine():
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "-"
-    from dslab.launch.machine import usable_cores  # affinity or the cgroup's CPU quota, the fewer
+    from dslab.machine import usable_cores  # affinity or the cgroup's CPU quota, the fewer
 
     return {"cpu": cpu, "cores": usable_cores(), "python": platform.python_version(),
             "system": f"{platform.system()} {platform.release()}", **versions}
@@ -123,7 +123,7 @@ def bench_steps(run_dir):
 
 # ------------------------------------------------------------------------------------------------- memory
 def bench_memory(run_dir):
-    """Measured / theory model-state bytes per rank for each stage (dslab.zero.memory, the zero_memory recipe)."""
+    """Measured / theory model-state bytes per rank for each stage (dslab.zero.memory, the zero_memory driver)."""
     from dslab import launch
     from dslab.zero import memory
 
@@ -238,7 +238,7 @@ def bench_mfu(run_dir):
             for name, run in runs.items()]
     speed = runs["fp32"]["step_seconds"] / runs["bf16"]["step_seconds"]
     rows.append(row("MFU", "bf16 / fp32: step speed, MFU", f"{speed:.2f}x, {runs['bf16']['mfu'] / runs['fp32']['mfu']:.2f}x",
-                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.precision.mfu.forward_flops"))
+                    "", f"profiler's forward FLOPs ({r0['profiler_flops']:,}) {exact} dslab.flops.forward_flops"))
     return rows
 
 

@@ -1,7 +1,7 @@
 """Training MFU of the kit's step on 2 ranks: dslab-tiny, ZeRO-2, bf16 and fp32, each rank on its share of the cores.
 
 Run on every rank by benchmarks/course_bench.py through dslab.launch.run. Rank 0's flops profiler counts one step's
-forward FLOPs, checked against dslab.precision.mfu.forward_flops; then each engine's steps are timed in alternating rounds, each
+forward FLOPs, checked against dslab.flops.forward_flops; then each engine's steps are timed in alternating rounds, each
 step followed by the matmul ceiling measured on the same threads (both ranks at once, as they train), so that load
 which comes and goes hits steps and ceiling alike. A step is forward + backward + gradient all-reduce + AdamW.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dslab import this_rank
-from dslab.precision import mfu
+from dslab import flops
 from dslab.config.build import make_config
 from dslab.models.loading import load_model
 
@@ -68,19 +68,19 @@ with contextlib.redirect_stdout(io.StringIO()):  # the profiler's report goes to
         for _ in range(args.warmup):
             step(engine, tokens)
 counted = engines["bf16"].flops_profiler.flops if rank == 0 else None
-forward = mfu.forward_flops(config, args.micro_batch_size, args.seq_len)["total"]
+forward = flops.forward_flops(config, args.micro_batch_size, args.seq_len)["total"]
 seconds = {name: [] for name in engines}
 ceilings = {name: [] for name in engines}
 for _ in range(args.rounds):
     for name, engine in engines.items():
         seconds[name].append(step(engine, tokens))
-        ceilings[name].append(mfu.ceiling(name, threads))
+        ceilings[name].append(flops.ceiling(name, threads))
 result = {"rank": rank, "world_size": world_size, "threads": threads, "micro_batch_size": args.micro_batch_size,
           "seq_len": args.seq_len, "forward_flops": forward, "profiler_flops": counted, "seconds": seconds,
           "ceilings": ceilings, "runs": {}}
 for name in engines:
     fastest, best = min(seconds[name]), max(ceilings[name])
-    achieved = mfu.TRAIN_FACTOR * forward / fastest / 1e9
+    achieved = flops.TRAIN_FACTOR * forward / fastest / 1e9
     result["runs"][name] = {"step_seconds": fastest, "achieved_gflops": achieved, "ceiling_gflops": best,
                             "mfu": achieved / best}
 this_rank.print0("  ".join(f"{k}: MFU {v['mfu']:.1%} ({v['achieved_gflops']:.0f} of {v['ceiling_gflops']:.0f} GFLOP/s)"

@@ -257,7 +257,7 @@ def flight_recorder_dump():
     """What torch's flight recorder holds in this process, as the dict a dump file has ("entries", ...).
 
     json.loads(torch._C._distributed_c10d._dump_fr_trace_json()), checked against torch 2.13.0. If it goes,
-    dslab.hang_reports.flight_recorder_kept (chapter 12) cannot show which collectives the recorder kept.
+    dslab.hangs.diagnoses.flight_recorder_kept (chapter 12) cannot show which collectives the recorder kept.
     """
     import json
 
@@ -270,7 +270,7 @@ def torch_extension_dir(name):
     """The folder torch builds and loads C++ extension `name` in (it creates it).
 
     torch.utils.cpp_extension._get_build_directory(name, verbose=False), checked against torch 2.13.0. If it changes,
-    the test that holds dslab.env.extensions_dir against torch's own choice cannot run.
+    the test that holds dslab.machine.extensions_dir against torch's own choice cannot run.
     """
     from torch.utils.cpp_extension import _get_build_directory
 

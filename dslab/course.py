@@ -26,7 +26,7 @@ class Chapter:
     more_exercises: tuple = ()  # exercise modules of their own that dslab/exercises/chNN.py imports (coding exercises)
     # runs ms-swift and LLaMA-Factory in venvs of their own (make swift llamafactory), so tools.measure_chapters
     # leaves it out and its tolerances were not measured on the kit's kernel paths
-    tool_venvs: bool = False
+    framework_venvs: bool = False
 
     @property
     def nn(self):
@@ -58,7 +58,8 @@ CHAPTERS = (
     Chapter(0, "00_setup", "environment report, what runs where, a first 2-rank launch", 2,
             title="Setup: what runs where", title_zh="环境准备：哪些功能在哪里运行",
             teach_minutes=20, exercise_minutes=5,
-            modules=("dslab.course", "dslab.env", "dslab.exercises", "dslab.launch", "dslab.this_rank")),
+            modules=("dslab.course", "dslab.env", "dslab.exercises", "dslab.launch", "dslab.machine",
+                     "dslab.this_rank")),
     Chapter(1, "01_distributed_basics", "ranks, process groups, collectives, DDP vs deepspeed.initialize", 2,
             guarded_cells=("nccl",),
             title="Distributed basics", title_zh="分布式基础",
@@ -81,7 +82,7 @@ CHAPTERS = (
             needs=("bf16 training", "ZeRO-Offload (cpu_adam)"),
             title="ZeRO: who holds which bytes", title_zh="ZeRO：哪些字节由谁持有",
             teach_minutes=60, exercise_minutes=15,
-            modules=("dslab.config.build", "dslab.config.check", "dslab.env", "dslab.exercises", "dslab.live",
+            modules=("dslab.config.build", "dslab.config.check", "dslab.exercises", "dslab.live", "dslab.machine",
                      "dslab.models.loading", "dslab.plots", "dslab.this_rank", "dslab.zero.engine_memory",
                      "dslab.zero.memory", "dslab.zero.runner", "dslab.zero.widgets")),
     Chapter(5, "05_lora_sft", "LoRA self-cognition fine-tuning under ZeRO-2", 2, needs=("bf16 training",),
@@ -101,7 +102,7 @@ CHAPTERS = (
             needs=("AutoTP inference",), guarded_cells=("kernel injection",),
             title="DeepSpeed inference: tensor parallelism with AutoTP", title_zh="DeepSpeed 推理：用 AutoTP 做张量并行",
             teach_minutes=35, exercise_minutes=10,
-            modules=("dslab.env", "dslab.exercises", "dslab.launch", "dslab.live", "dslab.models.infer",
+            modules=("dslab.exercises", "dslab.launch", "dslab.live", "dslab.machine", "dslab.models.infer",
                      "dslab.models.loading", "dslab.parallel.tp_infer", "dslab.this_rank")),
     Chapter(8, "08_cli_and_multinode", "the pipeline from a shell, launchers, a 2-node job on one machine", 2,
             title="The command line, launchers and multi-node jobs", title_zh="命令行、启动器与多节点作业",
@@ -109,10 +110,10 @@ CHAPTERS = (
             modules=("dslab.config.build", "dslab.exercises", "dslab.launch", "dslab.launch.multinode",
                      "dslab.this_rank", "dslab.training.sft")),
     Chapter(9, "09_hf_trainer", "the Hugging Face Trainer on DeepSpeed, ZeRO-3 loading and saving, accelerate", 2,
-            title="From the course to the tools people train with", title_zh="从课程走向实际训练所用的工具",
+            title="From the course to the frameworks people train with", title_zh="从课程走向实际训练所用的框架",
             teach_minutes=45, exercise_minutes=10,
-            modules=("dslab.config.build", "dslab.config.check", "dslab.data", "dslab.env", "dslab.exercises",
-                     "dslab.launch", "dslab.models.evaluate", "dslab.models.loading", "dslab.models.lora",
+            modules=("dslab.config.build", "dslab.config.check", "dslab.data", "dslab.exercises", "dslab.launch",
+                     "dslab.machine", "dslab.models.evaluate", "dslab.models.loading", "dslab.models.lora",
                      "dslab.this_rank", "dslab.training.hf_bridge", "dslab.training.sft")),
     Chapter(10, "10_communication", "the bytes each rank sends per step: measured, predicted, the paper's ideal", 2,
             needs=("bf16 training",),
@@ -134,23 +135,23 @@ CHAPTERS = (
     Chapter(12, "12_debugging_hangs", "jobs that hang: process-group timeout, DETAIL, every rank's stack", 2,
             title="Debugging lab: jobs that hang", title_zh="调试实验：卡住的作业",
             teach_minutes=40, exercise_minutes=25,
-            modules=("dslab.exercises", "dslab.exercises.ch12", "dslab.hang_reports", "dslab.launch", "dslab.live",
+            modules=("dslab.exercises", "dslab.exercises.ch12", "dslab.hangs.diagnoses", "dslab.launch", "dslab.live",
                      "dslab.models.loading", "dslab.this_rank")),
     Chapter(13, "13_where_time_goes", "the flops profiler, MFU, Muon and bf16 master weights", 2,
             needs=("bf16 training",),
             title="Where the time goes, and newer memory levers", title_zh="时间花在哪里，以及较新的省显存手段",
             teach_minutes=40, exercise_minutes=20,
-            modules=("dslab.config.build", "dslab.config.check", "dslab.env", "dslab.exercises", "dslab.launch",
-                     "dslab.launch.machine", "dslab.live", "dslab.models.loading", "dslab.precision.mfu",
-                     "dslab.this_rank", "dslab.zero.memory", "dslab.zero.optimizer_states")),
+            modules=("dslab.config.build", "dslab.config.check", "dslab.exercises", "dslab.flops", "dslab.launch",
+                     "dslab.live", "dslab.machine", "dslab.models.loading", "dslab.this_rank", "dslab.zero.memory",
+                     "dslab.zero.optimizer_states")),
     Chapter(14, "14_swift_and_llamafactory",
             "ms-swift and LLaMA-Factory: LoRA SFT, merge, 2 nodes, in venvs of their own", 2, needs=("bf16 training",),
             title="ms-swift and LLaMA-Factory, run for real", title_zh="真正运行 ms-swift 和 LLaMA-Factory",
             teach_minutes=45, exercise_minutes=5,
-            modules=("dslab.data", "dslab.exercises", "dslab.launch", "dslab.launch.tools", "dslab.models.evaluate",
-                     "dslab.plots", "dslab.this_rank", "dslab.training.equivalents", "dslab.training.tool_data",
-                     "dslab.zero.memory"),
-            tool_venvs=True),
+            modules=("dslab.data", "dslab.exercises", "dslab.launch", "dslab.launch.frameworks",
+                     "dslab.models.evaluate", "dslab.plots", "dslab.this_rank", "dslab.training.equivalents",
+                     "dslab.training.framework_data", "dslab.zero.memory"),
+            framework_venvs=True),
 )
 
 

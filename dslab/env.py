@@ -1,28 +1,13 @@
-"""What this machine offers DeepSpeed: versions, accelerator, build tools, JIT ops, and which course features run."""
-import os
+"""What this machine offers DeepSpeed: the accelerator it picks, its JIT ops, which course features run, and all of it
+with the machine's facts (dslab.machine) as `dslab env`'s report; `dslab prepare` builds the ops."""
 import platform
-import shutil
-import subprocess
 import sys
 import time
 import unicodedata
-from importlib import metadata
-from pathlib import Path
 
-from dslab.launch.machine import cpu_cores, ensure_build_tools_on_path
+from dslab import machine
 from dslab.messages import say
 
-PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
-# CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
-BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-# CPU flags of native fp16 arithmetic (recent Xeons): where oneDNN has them, DeepSpeed's CPU accelerator allows fp16.
-FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
-# oneDNN runs torch's bf16 matmuls on the best instruction set it finds; ONEDNN_MAX_CPU_ISA caps it. Its values, lowest
-# first (aliases share a rank): below AVX512_CORE_BF16, bf16 matmuls run without bf16 instructions (plain AVX-512, or
-# emulated at AVX2 and below), slower and with other rounding, whatever the CPU's flags say.
-ONEDNN_ISAS = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5,
-               "AVX512_CORE_VNNI": 6, "AVX512_CORE_BF16": 7, "AVX10_1_512": 8, "AVX512_CORE_FP16": 8,
-               "AVX10_1_512_AMX": 9, "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10}
 # JIT ops the course uses: (name in reports, DeepSpeed op-builder class, what needs it).
 COURSE_OPS = (
     ("shm_comm", "ShareMemCommBuilder", "the CPU accelerator's shared-memory all-reduce (init_distributed, AutoTP)"),
@@ -43,122 +28,6 @@ INSTALL_HINTS = {
 AIO_INSTALL_HINT = "apt-get install libaio-dev"
 
 
-def has_gpu():
-    """True when torch sees a CUDA (or ROCm) GPU; cheap, imports no DeepSpeed."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-def versions():
-    """Installed version of each course package (None when missing), and Python's."""
-    found = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def build_tools():
-    """Paths of ninja, the C++ compiler torch uses ($CXX or c++), g++ and numactl (None when absent)."""
-    ninja = ensure_build_tools_on_path()  # also puts pip's ninja on PATH, as DeepSpeed needs
-    cxx = os.environ.get("CXX", "c++")
-    return {"ninja": ninja, "c++": shutil.which(cxx), "g++": shutil.which("g++"), "numactl": shutil.which("numactl")}
-
-
-def missing_build_tools(tools=None):
-    """Names of the tools a JIT op build needs that are missing (ninja, c++)."""
-    tools = tools or build_tools()
-    return [name for name in ("ninja", "c++") if not tools[name]]
-
-
-def onednn_cap():
-    """oneDNN's instruction-set cap from the environment (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA), or
-    None where nothing caps it."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
-    return cap if cap and cap not in ("ALL", "DEFAULT") else None
-
-
-def bf16_native(flags, cap):
-    """True where bf16 matmuls run with bf16 instructions: the CPU has AVX512-BF16 or AMX-BF16 and no oneDNN cap
-    (`cap`, onednn_cap()) below AVX512_CORE_BF16 takes them away. Ask this, not the flags, before expecting speed."""
-    if not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
-        return False
-    return cap is None or ONEDNN_ISAS.get(cap, len(ONEDNN_ISAS)) >= ONEDNN_ISAS["AVX512_CORE_BF16"]
-
-
-def cpu_info():
-    """Usable cores (affinity or the cgroup's CPU quota, the fewer: dslab.launch.machine.cpu_cores), model name, the
-    bf16/fp16-related flags from /proc/cpuinfo, oneDNN's cap and whether bf16 matmuls run natively under it."""
-    cores = cpu_cores()
-    model, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model is None:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:  # not Linux
-        pass
-    model = model or platform.processor() or None
-    known, cap = {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}, onednn_cap()
-    return {"cores_usable": cores["usable"], "cores_total": os.cpu_count(), "cores_affinity": cores["affinity"],
-            "cpu_quota": cores["quota"], "cores_quota": cores["quota_cores"], "cores_limited_by": cores["limited_by"],
-            "model": model, "flags": known, "onednn_cap": cap, "bf16_native": bf16_native(known, cap)}
-
-
-def memory_info():
-    """Total and available RAM in GiB (one decimal)."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return {"total_gib": round(vm.total / 2**30, 1), "available_gib": round(vm.available / 2**30, 1)}
-
-
-def gpu_info():
-    """Each GPU torch sees (name, memory), and `nvidia-smi topo -m` (how the GPUs are connected)."""
-    import torch
-
-    if not has_gpu():
-        return {"gpus": [], "topology": None}
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-                     "compute_capability": f"{props.major}.{props.minor}"})
-    topology = None
-    if shutil.which("nvidia-smi"):
-        try:
-            run = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
-            topology = run.stdout.rstrip() if run.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired):
-            topology = None
-    return {"gpus": gpus, "topology": topology}
-
-
-def extensions_dir():
-    """Where torch caches JIT-built ops: $TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu (say).
-
-    The same rule as torch.utils.cpp_extension, without creating the folder.
-    """
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if torch.version.hip is not None:
-        accelerator = "rocm" + torch.version.hip.replace(".", "")
-    elif torch.version.cuda is not None:
-        accelerator = "cu" + torch.version.cuda.replace(".", "")
-    else:
-        accelerator = "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
-
-
 def _is_compatible(builder):
     """builder.is_compatible(), with the compiler's output discarded.
 
@@ -177,7 +46,7 @@ def op_status():
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
-    cache = extensions_dir()
+    cache = machine.extensions_dir()
     status = {}
     for name, builder_name, purpose in COURSE_OPS:
         builder = get_accelerator().create_op_builder(builder_name)
@@ -235,7 +104,7 @@ def features(accel, cpu, ops, tools):
                        else "this GPU has no native bf16 (needs Ampere or newer): use fp16")
         fp16_reason = "the GPU supports fp16" if accel["fp16_supported"] else "this GPU has no usable fp16"
     adam = ops["cpu_adam"]
-    can_build = not missing_build_tools(tools)
+    can_build = not machine.missing_build_tools(tools)
     if not adam["compatible"]:
         adam_reason = "the cpu_adam op is not compatible with this machine"
     elif adam["built"]:
@@ -243,7 +112,7 @@ def features(accel, cpu, ops, tools):
     elif can_build:
         adam_reason = "cpu_adam will be JIT-built on first use (minutes); `dslab prepare` builds it now"
     else:
-        adam_reason = f"cpu_adam cannot be built: missing {', '.join(missing_build_tools(tools))}"
+        adam_reason = f"cpu_adam cannot be built: missing {', '.join(machine.missing_build_tools(tools))}"
     shm = ops["shm_comm"]
     if device == "cpu":
         tp_reason = ("tensor_parallel with replace_with_kernel_inject=False on CPU ranks; all-reduce through "
@@ -278,26 +147,26 @@ def accelerator_info():
         import torch
 
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
-    native = bf16 if name != "cpu" else cpu_info()["bf16_native"]
+    native = bf16 if name != "cpu" else machine.cpu_info()["bf16_native"]
     return {"name": name, "communication_backend": accel.communication_backend_name(),
             "bf16_supported": bf16, "bf16_native": native, "fp16_supported": bool(accel.is_fp16_supported())}
 
 
 def machine_facts():
     """Everything above as one dict (same keys on every machine; values that vary sit in fixed places)."""
-    tools = build_tools()
+    tools = machine.build_tools()
     accel = accelerator_info()
-    cpu = cpu_info()
+    cpu = machine.cpu_info()
     ops = op_status()
     return {
-        "versions": versions(),
+        "versions": machine.versions(),
         "platform": f"{platform.system()} {platform.machine()}",
         "accelerator": accel,
         "build_tools": tools,
         "cpu": cpu,
-        "memory": memory_info(),
-        **gpu_info(),
-        "torch_extensions_dir": str(extensions_dir()),
+        "memory": machine.memory_info(),
+        **machine.gpu_info(),
+        "torch_extensions_dir": str(machine.extensions_dir()),
         "ops": ops,
         "async_io": aio_status(),
         "features": features(accel, cpu, ops, tools),
@@ -361,8 +230,8 @@ def prepare(only=None, stream=None, verbose=False):
     absent, and after trying every op when a build fails. verbose=True shows the compiler's output.
     """
     stream = stream or sys.stdout
-    tools = build_tools()
-    missing = missing_build_tools(tools)
+    tools = machine.build_tools()
+    missing = machine.missing_build_tools(tools)
     if missing:
         raise RuntimeError("cannot build DeepSpeed's JIT ops: missing " + ", ".join(missing) + "\n"
                            + "\n".join(f"  {name}: {INSTALL_HINTS[name]}" for name in missing))
@@ -392,7 +261,7 @@ def prepare(only=None, stream=None, verbose=False):
         timings[name] = time.perf_counter() - start
         print(f"{name}: ready in {timings[name]:.1f} s ({purpose})", file=stream, flush=True)
     if failed:
-        raise RuntimeError("could not build " + "; ".join(failed) + f"\n  build folders: {extensions_dir()}; "
+        raise RuntimeError("could not build " + "; ".join(failed) + f"\n  build folders: {machine.extensions_dir()}; "
                            "`dslab prepare --verbose` shows the compiler's output")
     return timings
 

@@ -11,7 +11,7 @@ The ranks stop at `ranks.stop()`, when the kernel exits, and when the kernel die
 and then stops the controller and the engines (the same guard that stops launched jobs).
 
 `live.start(world_size=2, hang_timeout=S)` also watches the ranks while a cell runs on them: if none makes progress
-for S seconds (dslab.launch.hang), every rank's stack and the collective it waits in are printed under the cell,
+for S seconds (dslab.hangs.watcher), every rank's stack and the collective it waits in are printed under the cell,
 kept in `ranks.hang_report`, and the ranks are stopped (a rank blocked in a collective cannot be woken).
 """
 import atexit
@@ -26,10 +26,10 @@ import types
 
 import psutil
 
-from dslab.launch import hang
+from dslab.hangs import watcher
 from dslab.launch import free_port, remove_shm_buffers, remove_stale_shm_buffers
-from dslab.launch.machine import ensure_build_tools_on_path, threads_per_rank
 from dslab.launch.guard import process_tree, processes_with_env, start_guard, stop_processes
+from dslab.machine import ensure_build_tools_on_path, threads_per_rank
 
 MASTER_ADDR = "127.0.0.1"   # all ranks on this machine: rank 0's store listens on loopback
 # ipyparallel gives every process of a cluster (controller, engines, their helpers) this variable; each dslab cluster
@@ -194,8 +194,8 @@ class Ranks:
             return sum(len(metadata[m]["stdout"]) + len(metadata[m]["stderr"])
                        for m in list(self._client.outstanding) if m in metadata)
 
-        self._hang_watch = hang.watch_in_background(hang_timeout, engines, lambda: bool(self._client.outstanding),
-                                                    printed, self._stop_hung, "the live ranks")
+        self._hang_watch = watcher.watch_in_background(hang_timeout, engines, lambda: bool(self._client.outstanding),
+                                                       printed, self._stop_hung, "the live ranks")
 
     def _stop_hung(self, report):
         self.hang_report = report
@@ -278,7 +278,7 @@ def start(world_size=2, timeout=300, hang_timeout=None):
     (they import torch and DeepSpeed: slow on a busy machine). hang_timeout: see the module's docstring.
     """
     global _running
-    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+    if hang_timeout is not None and (problem := watcher.unready(hang_timeout)):
         raise ValueError(problem)
     if running() is not None:
         if _running.world_size == world_size:

@@ -225,10 +225,10 @@ def loss_curve(loss_log, window=8, title="Training loss"):
     return fig, {"step": steps, "loss": losses, "smoothed": smoothed}
 
 
-def tool_runs(runs):
-    """Loss and learning rate per optimizer step of the same SFT run in several tools, side by side.
+def framework_runs(runs):
+    """Loss and learning rate per optimizer step of the same SFT run in several frameworks, side by side.
 
-    runs: {label: [{"step", "loss", "lr"}, ...]} (dslab.training.tool_data.training_log, dslab's loss_log.json); data: the
+    runs: {label: [{"step", "loss", "lr"}, ...]} (dslab.training.framework_data.training_log, dslab's loss_log.json); data: the
     same, as {label: {"step": [...], "loss": [...], "lr": [...]}}."""
     fig, (loss_ax, lr_ax) = _figure(ncols=2, width=5.0, height=3.2)
     data = {}
@@ -237,7 +237,7 @@ def tool_runs(runs):
         loss_ax.plot(data[label]["step"], data[label]["loss"], lw=1.2, label=label)
         lr_ax.plot(data[label]["step"], data[label]["lr"], lw=1.2, label=label)
     loss_ax.set(xlabel="optimizer step", ylabel="loss (nats per token)")
-    loss_ax.set_title("Training loss, as each tool logs it", fontsize=9)
+    loss_ax.set_title("Training loss, as each framework logs it", fontsize=9)
     lr_ax.set(xlabel="optimizer step", ylabel="learning rate")
     lr_ax.set_title("Learning-rate schedule", fontsize=9)
     for ax in (loss_ax, lr_ax):

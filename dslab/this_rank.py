@@ -10,8 +10,8 @@ import warnings
 from pathlib import Path
 
 from dslab import files
-from dslab.launch.machine import ensure_build_tools_on_path
 from dslab.launch.supervise import RESULT_DIR_ENV  # noqa: F401 (also read as this_rank.RESULT_DIR_ENV)
+from dslab.machine import ensure_build_tools_on_path
 
 
 
@@ -94,7 +94,7 @@ def init_single_process(quiet=False):
     quiet: discard the C++ op probe's output (see `silenced`).
     """
     import torch.distributed as tdist
-    from dslab.launch.machine import free_port, port_is_free
+    from dslab.launch.ports import free_port, port_is_free
     if tdist.is_available() and tdist.is_initialized():
         return
     # The variables the deepspeed launcher would set for a single rank; existing values win.

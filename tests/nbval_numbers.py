@@ -175,11 +175,11 @@ _machine = {}
 
 
 def this_machine():
-    """The facts of this machine a cell may depend on (dslab.env.accelerator_info, and which tool venvs are built:
-    dslab.launch.tools.venv_facts), asked once."""
+    """The facts of this machine a cell may depend on (dslab.env.accelerator_info, and which framework venvs are
+    built: dslab.launch.frameworks.venv_facts), asked once."""
     if not _machine:
         from dslab.env import accelerator_info
-        from dslab.launch.tools import venv_facts
+        from dslab.launch.frameworks import venv_facts
 
         _machine.update(accelerator_info(), **venv_facts())
     return _machine

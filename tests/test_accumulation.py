@@ -84,7 +84,7 @@ def test_activations_grow_with_micro_batch_not_accumulation_steps():
     assert data["accum"][0][1] == data["accum"][1][1]
 
 
-def test_accumulation_recipe_on_two_ranks(tmp_path):
+def test_accumulation_driver_on_two_ranks(tmp_path):
     from dslab import launch
 
     r = launch.run("accumulation", world_size=2, run_dir=tmp_path, stream=False).rank0

@@ -1,5 +1,5 @@
 """docs/architecture.md names only modules and functions that exist, and dslab's imports go one way: no cycle,
-nothing imports the command line or a recipe. Everything is read with ast: nothing of dslab is imported."""
+nothing imports the command line, a recipe or a driver. Everything is read with ast: nothing of dslab is imported."""
 import ast
 import fnmatch
 import re
@@ -86,10 +86,10 @@ def test_dslab_imports_have_no_cycle():
     assert not found, "import cycles (lazy imports count too):\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-def test_nothing_imports_the_command_line_or_a_recipe():
+def test_nothing_imports_the_command_line_a_recipe_or_a_driver():
     wrong = [f"{name} imports {target}" for name, targets in GRAPH.items() for target in sorted(targets)
              if (target.startswith("dslab.cli") and not name.startswith("dslab.cli"))
-             or target.startswith("dslab.recipes")]
+             or target.startswith(("dslab.recipes", "dslab.drivers"))]
     assert not wrong, "\n".join(wrong)
 
 
@@ -98,17 +98,17 @@ def test_nothing_imports_the_command_line_or_a_recipe():
 # The package's parts, bottom to top: a part imports only parts of a lower layer (and itself). A part is a subpackage
 # (dslab/comm/, ...) or a top-level module (dslab/this_rank.py). docs/architecture.md shows the same table.
 LAYERS = [
-    {"messages", "compat"},
-    {"files", "data", "plots", "course", "noise", "workshop"},
+    {"messages", "compat", "machine"},
+    {"files", "data", "plots", "course", "noise", "workshop", "hangs"},
     {"launch", "config"},
     {"this_rank"},
     {"env", "models"},
     {"zero", "precision"},
-    {"comm"},
+    {"comm", "flops"},
     {"parallel", "training"},
-    {"tiny", "live", "hang_reports"},
+    {"tiny", "live"},
     {"exercises"},
-    {"cli", "recipes"},
+    {"cli", "recipes", "drivers"},
 ]
 
 
@@ -232,7 +232,7 @@ def test_every_module_and_function_on_the_page_exists():
 
 
 def named_on_the_page(path, spans):
-    """Whether a module file is named in one of the page's code spans: by its path (`dslab/launch/hang.py`), by a
+    """Whether a module file is named in one of the page's code spans: by its path (`dslab/hangs/watcher.py`), by a
     glob that matches it (`dslab/recipes/*.py`), or by its dotted name, alone or with an attribute
     (`dslab.zero.engine_memory.measure_engine`). A package's __init__.py also counts as named by its folder
     (`dslab/launch/`)."""
@@ -260,11 +260,11 @@ def test_every_module_of_the_package_is_on_the_page():
 
 
 def test_a_module_counts_as_named_by_its_path_a_glob_or_its_dotted_name():
-    hang, recipe = PACKAGE / "launch" / "hang.py", PACKAGE / "recipes" / "sft.py"
+    hang, recipe = PACKAGE / "hangs" / "watcher.py", PACKAGE / "recipes" / "sft.py"
     package = PACKAGE / "launch" / "__init__.py"
-    assert named_on_the_page(hang, ["dslab/launch/hang.py"]) and named_on_the_page(hang, ["dslab.launch.hang.x"])
+    assert named_on_the_page(hang, ["dslab/hangs/watcher.py"]) and named_on_the_page(hang, ["dslab.hangs.watcher.x"])
     assert named_on_the_page(recipe, ["dslab/recipes/*.py"]) and named_on_the_page(package, ["dslab/launch/"])
-    assert not named_on_the_page(hang, ["dslab/launch/", "dslab.launch.run", "dslab/launch/hangs.py"])
+    assert not named_on_the_page(hang, ["dslab/hangs/", "dslab.hangs.diagnoses", "dslab/hangs/watchers.py"])
     assert not named_on_the_page(PACKAGE / "hpz.py", ["dslab.hpzz", "hpz.gathers_by_pass"])
 
 
@@ -323,13 +323,14 @@ def test_the_private_name_finder_finds_both_forms(tmp_path):
     assert private_uses("dslab.b", pkg / "b.py", known) == ["from dslab.a import _helper", "a._helper"]
 
 
-def test_argparse_lives_in_the_command_line_and_the_recipes_only():
-    # The command line parses dslab's commands; each recipe parses its own arguments, as DeepSpeed's examples do.
+def test_argparse_lives_in_the_command_line_the_recipes_and_the_drivers_only():
+    # The command line parses dslab's commands; each recipe or driver parses its own arguments, as DeepSpeed's
+    # examples do.
     users = [name for name, path in package_modules().items()
              if re.search(r"^\s*(import argparse|from argparse import)", path.read_text(encoding="utf-8"), re.M)]
-    elsewhere = [name for name in users if not re.match(r"dslab\.(cli|recipes)(\.|$)", name)]
-    assert not elsewhere, f"argparse outside dslab/cli/ and dslab/recipes/: {elsewhere}"
-    assert "dslab.cli" in users and "dslab.recipes.sft" in users, users
+    elsewhere = [name for name in users if not re.match(r"dslab\.(cli|recipes|drivers)(\.|$)", name)]
+    assert not elsewhere, f"argparse outside dslab/cli/, dslab/recipes/ and dslab/drivers/: {elsewhere}"
+    assert {"dslab.cli", "dslab.recipes.sft", "dslab.drivers.zero_memory"} <= set(users), users
 
 
 def test_every_module_reads_in_one_sitting():

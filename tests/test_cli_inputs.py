@@ -344,7 +344,7 @@ def test_comm_inputs(argv, words, capsys):
 # --------------------------------------------------------------------------- launch, build-base
 
 @pytest.mark.parametrize("argv, words", [
-    (["{tmp}/no-script.py"], ["is neither a dslab recipe", "nor a script file"]),
+    (["{tmp}/no-script.py"], ["is neither a dslab recipe or driver", "nor a script file"]),
     (["--world-size", "0", "{tmp}/script.py"], ["world_size must be at least 1, got 0"]),
     (["--timeout", "-1", "{tmp}/script.py"], ["timeout must be a positive number of seconds", "got -1.0"]),
     (["--master-port", "99999", "{tmp}/script.py"], ["master_port must be a port number from 1 to 65535", "99999"]),

@@ -1,12 +1,14 @@
-"""The settings and the step that change ZeRO's collectives (dslab.comm.settings), gloo's reduce and broadcast, NCCL's
-rings (dslab.comm.nccl_bytes), chapter 10's table (dslab.comm.bytes_table), and all of them on real ranks."""
+"""The settings and the step that change ZeRO's collectives (dslab.zero.partition, dslab.comm.zero3_fetch), gloo's
+reduce and broadcast, NCCL's rings (dslab.comm.nccl_bytes), chapter 10's table (dslab.comm.bytes_table), and all of
+them on real ranks."""
 import functools
 
 import pytest
 
 from dslab import launch, plots
-from dslab.comm import bytes_table, gloo_bytes, nccl_bytes, settings, step_bytes, zero3_fetch
+from dslab.comm import bytes_table, gloo_bytes, nccl_bytes, step_bytes, zero3_fetch
 from dslab.config.build import deep_merge
+from dslab.zero import partition
 
 # A shape no other test uses: 3 layers, untied embeddings (the output head is its own module).
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 700, "intermediate_size": 160,
@@ -84,10 +86,10 @@ def test_nccl_rings_send_the_textbook_volumes(n):
 
 def test_destination_slices_cut_parameters_at_partition_edges_in_bucket_order():
     numels = [5, 10, 7]            # 22 elements, 3 ranks: padded to 24, 8 per rank
-    assert settings.partition_size(22, 3) == 8
+    assert partition.partition_size(22, 3) == 8
     # parameter 1 spans [5, 15): 3 elements of rank 0, 7 of rank 1; parameter 2 spans [15, 22): 1 of rank 1, 6 of 2
-    assert settings.destination_slices([2, 1], numels, 3) == [(1, 8), (2, 6), (0, 3)]
-    assert settings.destination_slices([0, 1, 2], numels, 3) == [(0, 8), (1, 8), (2, 6)]
+    assert partition.destination_slices([2, 1], numels, 3) == [(1, 8), (2, 6), (0, 3)]
+    assert partition.destination_slices([0, 1, 2], numels, 3) == [(0, 8), (1, 8), (2, 6)]
 
 
 @pytest.mark.parametrize("keys, op", [({}, "all_reduce"),
@@ -97,7 +99,7 @@ def test_destination_slices_cut_parameters_at_partition_edges_in_bucket_order():
                                        "all_reduce")])
 def test_which_settings_reduce_to_owners(keys, op):
     zero = {**step_bytes.ZERO_DEFAULTS, **keys}
-    ops = settings.bucket_reductions([0, 1], [6, 6], 2, zero)
+    ops = partition.bucket_reductions([0, 1], [6, 6], 2, zero)
     assert {o for o, _, _ in ops} == {op}
     assert sum(numel for _, numel, _ in ops) == 12
     assert [root for _, _, root in ops] == ([0, 1] if op == "reduce" else [None])
@@ -106,7 +108,7 @@ def test_which_settings_reduce_to_owners(keys, op):
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_stage_2_reduces_each_bucket_to_its_owners_in_the_order_backward_meets_them(n):
     numels = _trace()["numels"]
-    psi, size = sum(numels), settings.partition_size(sum(numels), n)
+    psi, size = sum(numels), partition.partition_size(sum(numels), n)
     reduces = [c for c in _collectives(2, n, **OWNERS) if c["op"] == "reduce"]
     assert {c["root"]: c["numel"] for c in reduces} == {r: min(size, psi - r * size) for r in range(n)}
     first_ready = zero3_fetch.ready_order(_trace())[0]   # the output head: its gradient is ready first

@@ -215,7 +215,7 @@ def test_hooks_of_one_backward_share_a_graph_task_id():
 
 def test_the_flight_recorder_dump_lists_the_collectives():
     """torch 2.13.0: _distributed_c10d._dump_fr_trace_json() is JSON whose "entries" hold each collective's
-    collective_seq_id and profiling_name (dslab.hang_reports.flight_recorder_kept)."""
+    collective_seq_id and profiling_name (dslab.hangs.diagnoses.flight_recorder_kept)."""
     import torch.distributed as dist
 
     started = not dist.is_initialized()

@@ -118,9 +118,9 @@ def test_fp16_on_this_machine_follows_what_the_accelerator_says():
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_fp16_on_a_cpu_accelerator_that_says_yes_or_no(supported, monkeypatch):
-    from dslab.env import has_gpu
+    from dslab.machine import gpu_count
 
-    if has_gpu():
+    if gpu_count():
         pytest.skip("this machine has a GPU")
     force_fp16_support(monkeypatch, supported)
     problems = CC.check_config(good(precision="fp16"), world_size=2)

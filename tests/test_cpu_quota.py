@@ -1,4 +1,4 @@
-"""Cores a learner may really use: affinity and the cgroup's CPU quota (dslab.launch.machine.cpu_cores), the smaller
+"""Cores a learner may really use: affinity and the cgroup's CPU quota (dslab.machine.cpu_cores), the smaller
 wins, and every place that starts ranks gives each its share. The cgroup files are written to a temporary folder
 (the reader takes the cgroup root and the text of /proc/self/cgroup as arguments); one test runs a process under a
 real 1-core quota where this machine lets root create a cgroup."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dslab import env, live
-from dslab.launch import machine, supervise, tools
+from dslab import env, live, machine
+from dslab.launch import frameworks, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,24 +138,25 @@ def test_launched_ranks_get_the_quota_s_cores_shared_out(server, monkeypatch, tm
     assert supervise.rank_environment(1, tmp_path)["OMP_NUM_THREADS"] == "2"
 
 
-def test_the_tools_runs_get_the_quota_s_cores_shared_out(server, monkeypatch, tmp_path):
+def test_the_frameworks_runs_get_the_quota_s_cores_shared_out(server, monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     server(cores=64, quota=4.0)
-    one = [tools.split_tool_command("NPROC_PER_NODE=2 swift sft --model m")]
-    two_nodes = [tools.split_tool_command(f"NNODES=2 NODE_RANK={i} NPROC_PER_NODE=1 swift sft") for i in (0, 1)]
-    single = [tools.split_tool_command("swift infer --model m")]
-    assert [tools.ranks_here(p) for p in (one, two_nodes, single)] == [2, 2, 1]
+    one = [frameworks.split_framework_command("NPROC_PER_NODE=2 swift sft --model m")]
+    two_nodes = [frameworks.split_framework_command(f"NNODES=2 NODE_RANK={i} NPROC_PER_NODE=1 swift sft")
+                 for i in (0, 1)]
+    single = [frameworks.split_framework_command("swift infer --model m")]
+    assert [frameworks.ranks_here(p) for p in (one, two_nodes, single)] == [2, 2, 1]
     bin_dir = tmp_path / ".venv-swift" / "bin"
-    assert tools.tool_environment(one[0][0], bin_dir, 2)["OMP_NUM_THREADS"] == "2"
-    assert tools.tool_environment(single[0][0], bin_dir, 1)["OMP_NUM_THREADS"] == "4"
-    own = tools.split_tool_command("OMP_NUM_THREADS=3 swift sft")[0]   # the line's own setting is kept
-    assert tools.tool_environment(own, bin_dir, 1)["OMP_NUM_THREADS"] == "3"
+    assert frameworks.framework_environment(one[0][0], bin_dir, 2)["OMP_NUM_THREADS"] == "2"
+    assert frameworks.framework_environment(single[0][0], bin_dir, 1)["OMP_NUM_THREADS"] == "4"
+    own = frameworks.split_framework_command("OMP_NUM_THREADS=3 swift sft")[0]   # the line's own setting is kept
+    assert frameworks.framework_environment(own, bin_dir, 1)["OMP_NUM_THREADS"] == "3"
 
 
 def test_the_env_report_shows_affinity_quota_and_which_wins(server, monkeypatch):
     monkeypatch.setenv("DSLAB_LANG", "en")
     server(cores=64, quota=1.5)
-    cpu = env.cpu_info()
+    cpu = machine.cpu_info()
     assert (cpu["cores_usable"], cpu["cores_affinity"], cpu["cpu_quota"], cpu["cores_quota"],
             cpu["cores_limited_by"]) == (1, 64, 1.5, 1, "quota")
     rep = {"versions": {}, "platform": "Linux x86_64", "cpu": cpu, "memory": {"total_gib": 1, "available_gib": 1},
@@ -167,7 +168,7 @@ def test_the_env_report_shows_affinity_quota_and_which_wins(server, monkeypatch)
     assert "  cores usable / total  1 / " in text
     assert "  cpu quota (cgroup)    1.5 cores -> 1 (rounded down); affinity: 64; the quota wins" in text
     server(cores=2, quota=None)     # no quota (a laptop): the report reads as it always did, no quota row
-    rep["cpu"] = env.cpu_info()
+    rep["cpu"] = machine.cpu_info()
     assert "cpu quota" not in env.format_report(rep) and rep["cpu"]["cores_limited_by"] == "affinity"
 
 
@@ -175,8 +176,8 @@ def test_the_env_report_shows_affinity_quota_and_which_wins(server, monkeypatch)
 
 CHILD = textwrap.dedent("""
     import json, subprocess, sys, tempfile
-    from dslab import live
-    from dslab.launch import machine, supervise
+    from dslab import live, machine
+    from dslab.launch import supervise
     rank_env = supervise.rank_environment(1, tempfile.gettempdir())   # what the launcher gives a CPU rank
     rank = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=rank_env,
                           capture_output=True, text=True, check=True)  # a rank in the same cgroup, as launched

@@ -1,4 +1,4 @@
-"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare` (dslab.cli.setup)."""
+"""dslab.env: the environment report, `dslab env [--json]` and `dslab prepare` (dslab.cli.preflight)."""
 import json
 import os
 import shutil
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dslab import compat, env
-from dslab.launch import machine
+from dslab import compat, env, machine
 from dslab.cli import main
 from support import FP16_REFUSAL, force_fp16_support
 
@@ -53,7 +52,7 @@ def test_report_matches_deepspeeds_view(rep):
 
 
 def test_cpu_only_machine(rep):
-    if env.has_gpu():
+    if machine.gpu_count():
         pytest.skip("this machine has a GPU")
     assert rep["accelerator"]["name"] == "cpu" and rep["accelerator"]["communication_backend"] == "gloo"
     assert rep["gpus"] == [] and rep["topology"] is None
@@ -70,12 +69,12 @@ def test_fp16_feature_follows_the_cpu_accelerators_answer(supported, monkeypatch
     """Both answers, whatever this CPU is: AVX512-FP16 / AMX-FP16 Xeons say yes, most other CPUs no."""
     from deepspeed.accelerator import get_accelerator
 
-    if env.has_gpu():
+    if machine.gpu_count():
         pytest.skip("this machine has a GPU")
     force_fp16_support(monkeypatch, supported)
     accel = env.accelerator_info()
     assert accel["fp16_supported"] is supported and accel["name"] == get_accelerator().device_name() == "cpu"
-    cpu = {"flags": {f: False for f in env.BF16_CPU_FLAGS + env.FP16_CPU_FLAGS}}
+    cpu = {"flags": {f: False for f in machine.BF16_CPU_FLAGS + machine.FP16_CPU_FLAGS}}
     ops = {"cpu_adam": {"compatible": True, "built": True}, "shm_comm": {"compatible": True, "built": True}}
     tools = {"ninja": "/usr/bin/ninja", "c++": "/usr/bin/c++", "g++": None, "numactl": None}
     fp16 = {f["name"]: f for f in env.features(accel, cpu, ops, tools)}["fp16 DeepSpeed optimizer"]
@@ -86,30 +85,30 @@ def test_fp16_feature_follows_the_cpu_accelerators_answer(supported, monkeypatch
 def test_cpu_and_memory(rep):
     cpu = rep["cpu"]
     assert cpu["cores_usable"] == machine.usable_cores() <= cpu["cores_affinity"] <= cpu["cores_total"]
-    assert set(rep["cpu"]["flags"]) == set(env.BF16_CPU_FLAGS + env.FP16_CPU_FLAGS)
+    assert set(rep["cpu"]["flags"]) == set(machine.BF16_CPU_FLAGS + machine.FP16_CPU_FLAGS)
     assert all(isinstance(v, bool) for v in rep["cpu"]["flags"].values())
     flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     assert rep["cpu"]["flags"]["avx512_bf16"] == ("avx512_bf16" in flags)
     assert 0 < rep["memory"]["available_gib"] <= rep["memory"]["total_gib"]
 
 
-def test_has_gpu_agrees_with_the_report(rep):
-    assert env.has_gpu() == (len(rep["gpus"]) > 0)  # what chapter 00 asserts on every machine
+def test_gpu_count_agrees_with_the_report(rep):
+    assert (machine.gpu_count() > 0) == (len(rep["gpus"]) > 0)  # what chapter 00 asserts on every machine
 
 
-def test_has_gpu_is_false_when_the_gpus_are_hidden_and_imports_no_deepspeed():
-    """GPUs hidden with CUDA_VISIBLE_DEVICES="" are none for torch: has_gpu says so, without importing DeepSpeed."""
-    code = "import sys; from dslab import env; print(env.has_gpu(), 'deepspeed' in sys.modules)"
+def test_gpu_count_is_0_when_the_gpus_are_hidden_and_imports_no_deepspeed():
+    """GPUs hidden with CUDA_VISIBLE_DEVICES="" are none for torch: gpu_count says so, without importing DeepSpeed."""
+    code = "import sys; from dslab import machine; print(machine.gpu_count(), 'deepspeed' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False"]
+    assert run.stdout.split() == ["0", "False"]
 
 
 def test_features_on_a_gpu_machine():
     """The feature list follows the accelerator: kernel injection and nccl on CUDA, fp16 when supported."""
     accel = {"name": "cuda", "communication_backend": "nccl", "bf16_supported": False, "fp16_supported": True}
-    cpu = {"flags": {f: False for f in env.BF16_CPU_FLAGS}}
+    cpu = {"flags": {f: False for f in machine.BF16_CPU_FLAGS}}
     ops = {"cpu_adam": {"compatible": True, "built": False}, "shm_comm": {"compatible": False, "built": False}}
     tools = {"ninja": "/usr/bin/ninja", "c++": "/usr/bin/c++", "g++": None, "numactl": None}
     feature = {f["name"]: f for f in env.features(accel, cpu, ops, tools)}
@@ -126,7 +125,7 @@ def test_features_on_a_gpu_machine():
 
 def test_op_cache_location_follows_torch_extensions_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert env.extensions_dir() == tmp_path
+    assert machine.extensions_dir() == tmp_path
     status = env.op_status()
     assert not status["shm_comm"]["built"] and not status["cpu_adam"]["built"]  # nothing built there
     (tmp_path / "cpu_adam").mkdir()
@@ -139,8 +138,8 @@ def test_op_cache_location_follows_torch_extensions_dir(monkeypatch, tmp_path):
 def test_extensions_dir_is_the_one_torch_uses(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # torch creates the folder it returns: keep it here
-    assert env.extensions_dir() / "some_op" == Path(compat.torch_extension_dir("some_op"))
-    assert str(env.extensions_dir()).startswith(str(tmp_path))
+    assert machine.extensions_dir() / "some_op" == Path(compat.torch_extension_dir("some_op"))
+    assert str(machine.extensions_dir()).startswith(str(tmp_path))
 
 
 def test_ninja_from_the_venv_is_put_on_path(monkeypatch, tmp_path):
@@ -205,7 +204,7 @@ def test_cli_env_text(capsys):
 
 
 def test_prepare_names_missing_tools_and_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(env, "build_tools",
+    monkeypatch.setattr(machine, "build_tools",
                         lambda: {"ninja": None, "c++": None, "g++": None, "numactl": "/usr/bin/numactl"})
     with pytest.raises(RuntimeError) as info:
         env.prepare()
@@ -276,14 +275,15 @@ def test_bf16_is_native_only_where_the_cpu_has_bf16_instructions_and_onednn_may_
     """The flags say what the CPU has; ONEDNN_MAX_CPU_ISA says what oneDNN may use: below AVX512_CORE_BF16 a bf16
     matmul runs without bf16 instructions (the portable test run caps it so), and the report says why."""
     epyc, amx, avx2 = {"avx512_bf16": True}, {"avx512_bf16": True, "amx_bf16": True}, {"avx512_bf16": False}
-    assert env.bf16_native(epyc, None) and env.bf16_native(amx, "AVX512_CORE_BF16") and env.bf16_native(amx, None)
-    assert not env.bf16_native(epyc, "AVX512_CORE") and not env.bf16_native(amx, "AVX2")
-    assert not env.bf16_native(avx2, None)
+    assert machine.bf16_native(epyc, None) and machine.bf16_native(amx, "AVX512_CORE_BF16")
+    assert machine.bf16_native(amx, None)
+    assert not machine.bf16_native(epyc, "AVX512_CORE") and not machine.bf16_native(amx, "AVX2")
+    assert not machine.bf16_native(avx2, None)
     for cap, expected in (("avx512_core", "AVX512_CORE"), ("all", None), ("", None)):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-        assert env.onednn_cap() == expected
+        assert machine.onednn_cap() == expected
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    cpu = env.cpu_info()
+    cpu = machine.cpu_info()
     assert cpu["onednn_cap"] == "AVX2" and cpu["bf16_native"] is False
     assert env.accelerator_info()["bf16_native"] is False
     accel = {"name": "cpu", "communication_backend": "gloo", "bf16_supported": True, "fp16_supported": False}

@@ -1,11 +1,11 @@
-"""`dslab sft --print-equivalent hf|swift|llamafactory`: every flag and key printed exists in the tool it is for,
-with a value of the right kind, and says what the dslab run does; the files it writes hold the chats dslab trains on,
-as each tool reads them.
+"""`dslab sft --print-equivalent hf|swift|llamafactory`: every flag and key printed exists in the framework it is
+for, with a value of the right kind, and says what the dslab run does; the files it writes hold the chats dslab
+trains on, as each framework reads them.
 
-The tools live in venvs of their own (make swift, make llamafactory), which these tests do not need: both are read
-from their wheels without importing them: their argument dataclasses are parsed with ast, and so are the fields they
-inherit from the installed transformers' Seq2SeqTrainingArguments. The Hugging Face script is executed up to where
-the ranks start. tests/test_tools_runs.py runs every printout for real in the tools' venvs.
+The frameworks live in venvs of their own (make swift, make llamafactory), which these tests do not need: both are
+read from their wheels without importing them: their argument dataclasses are parsed with ast, and so are the fields
+they inherit from the installed transformers' Seq2SeqTrainingArguments. The Hugging Face script is executed up to where
+the ranks start. tests/test_frameworks_runs.py runs every printout for real in the frameworks' venvs.
 """
 import ast
 import importlib.util
@@ -25,7 +25,7 @@ import yaml
 from dslab.config import build
 from dslab.training import equivalents, sft, sft_plan, sft_settings
 from dslab.cli import build_parser, main
-from dslab.launch import tools
+from dslab.launch import frameworks
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL_CACHE = Path(os.environ.get("DSLAB_WHEEL_CACHE", Path.home() / ".cache" / "dslab-wheels"))
@@ -61,7 +61,7 @@ CASES = {
 }
 
 
-# ------------------------------------------------------------------------------------------ the tools' arguments
+# ------------------------------------------------------------------------------------- the frameworks' arguments
 def _download(package, version, filename):
     """The wheel, from the cache or the registry (pip download --no-deps); skips only if the registry is unreachable."""
     wheel = WHEEL_CACHE / filename
@@ -114,12 +114,12 @@ def dataclass_fields(sources, roots, hf_names):
     """{field: (kind, literals)} of the classes `roots` and all their bases, read with ast from {path: source}.
 
     A base named in `hf_names` is the installed transformers' class of the mapped name, read the same way; any
-    other base that none of the sources defines fails the test, so a tool that moves its arguments is noticed.
+    other base that none of the sources defines fails the test, so a framework that moves its arguments is noticed.
     """
-    tables = {"tool": _classes(sources), "hf": _classes(transformers_sources())}
+    tables = {"framework": _classes(sources), "hf": _classes(transformers_sources())}
 
     def fields_of(name, table):
-        if table == "tool" and name in hf_names:
+        if table == "framework" and name in hf_names:
             name, table = hf_names[name], "hf"
         assert name in tables[table], f"base class {name} is defined in none of the sources read ({table})"
         bases, own = tables[table][name]
@@ -130,7 +130,7 @@ def dataclass_fields(sources, roots, hf_names):
 
     found = {}
     for root in roots:
-        found.update(fields_of(root, "tool"))
+        found.update(fields_of(root, "framework"))
     return found
 
 
@@ -182,7 +182,7 @@ def llamafactory_args():
 
 
 def unknown(settings, fields):
-    """Problems with {flag: [values]}: flags the tool lacks, and values of the wrong kind or outside a Literal."""
+    """Problems with {flag: [values]}: flags the framework lacks, and values of the wrong kind or outside a Literal."""
     problems = []
     for key, values in settings.items():
         if key not in fields:
@@ -216,14 +216,14 @@ def plan_for(tmp_path, monkeypatch):
 
 def swift_command(text):
     """({flag: [values]}, env) of the `swift sft` command: the script's last line, continued with backslashes."""
-    env, argv = tools.split_tool_command(equivalents.command_line(text))
+    env, argv = frameworks.split_framework_command(equivalents.command_line(text))
     assert argv[:2] == ["swift", "sft"], argv[:2]
     flags = {flag[2:]: words for flag, words in equivalents.command_words(text).items()}
     return flags, " ".join(f"{key}={value}" for key, value in env.items())
 
 
 def chats_as_set(chats):
-    """Chats ({"messages"}) compared as a multiset: each tool draws them in its own order."""
+    """Chats ({"messages"}) compared as a multiset: each framework draws them in its own order."""
     return sorted(json.dumps(c["messages"], ensure_ascii=False, sort_keys=True) for c in chats)
 
 
@@ -286,7 +286,7 @@ def test_swift_flags_exist_in_ms_swift_and_match_the_run(case, plan_for, swift_a
     assert chats_as_set(swift_rows + general) == chats_as_set(dslab_chats(args, names, authors))
     for option in ("timeout", "checkpoint_dir"):  # no swift flag for these: a comment says so
         assert (f"# --{option.replace('_', '-')} " in text) == (getattr(args, option) is not None)
-    assert f"swift plans {plan['tool_steps']} steps, not {plan['steps']}" in text
+    assert f"swift plans {plan['framework_steps']} steps, not {plan['steps']}" in text
 
 
 def yaml_in_comments(text, path):
@@ -321,8 +321,8 @@ def test_llamafactory_yaml_keys_exist_and_its_files_hold_the_runs_data(case, pla
     assert settings["use_cpu"] is True if plan["use_cpu"] else "use_cpu" not in settings
     # its own folder, not dslab's adapter; LLaMA-Factory refuses a non-empty one without overwrite_output_dir
     assert settings["output_dir"] == f"{tmp_path}/run-llamafactory/output" and settings["overwrite_output_dir"] is True
-    assert settings["warmup_steps"] == plan["tool_warmup_steps"] == (max(1, plan["tool_steps"] // 20)
-                                                                     if not args.deepspeed else 0)
+    assert settings["warmup_steps"] == plan["framework_warmup_steps"] == (max(1, plan["framework_steps"] // 20)
+                                                                          if not args.deepspeed else 0)
     if not args.full:
         assert (settings["lora_rank"], settings["lora_alpha"]) == (args.lora_r, args.lora_alpha)
         assert settings["lora_target"].split(",") == (args.target_modules or ["gate_proj", "up_proj", "down_proj"])
@@ -346,7 +346,7 @@ def test_llamafactory_yaml_keys_exist_and_its_files_hold_the_runs_data(case, pla
                                    {"role": "assistant", "content": r["output"]}]} for r in json.loads(body)]
     assert chats_as_set(rows) == chats_as_set(dslab_chats(args, names, authors))  # the chats dslab trains on
     assert not any("{name}" in json.dumps(r, ensure_ascii=False) or "{{" in json.dumps(r) for r in rows)
-    assert f"LLaMA-Factory plans {plan['tool_steps']} steps, not {plan['steps']}" in text
+    assert f"LLaMA-Factory plans {plan['framework_steps']} steps, not {plan['steps']}" in text
 
 
 def test_the_checks_catch_an_invented_flag(swift_args, llamafactory_args):
@@ -424,7 +424,7 @@ def test_hf_script_builds_training_arguments_with_the_runs_values(plan_for, tmp_
         # the schedule is the Trainer's, from lr_scheduler_type: a DeepSpeed "scheduler" section would override it
         assert not got["ds_scheduler"]
         assert got["scheduler"] == ("cosine_with_min_lr" if not args.deepspeed else "constant")
-        assert got["warmup"] == (max(1, plan["tool_steps"] // 20) if not args.deepspeed else 0)
+        assert got["warmup"] == (max(1, plan["framework_steps"] // 20) if not args.deepspeed else 0)
         assert got["output_dir"] == f"{tmp_path}/run-hf/output"
         targets = sorted(args.target_modules or ["gate_proj", "up_proj", "down_proj"])
         assert got["lora"] == (None if args.full else [args.lora_r, args.lora_alpha, 0.0, targets])
@@ -432,7 +432,7 @@ def test_hf_script_builds_training_arguments_with_the_runs_values(plan_for, tmp_
 
 def test_max_length_is_a_setting_each_printout_carries(plan_for):
     """--max-length, like every option of `dslab sft`, comes from dslab.training.sft_settings: the plan holds the value
-    given, and each tool gets it under its own name (the recipe cuts a chat's tokens there)."""
+    given, and each framework gets it under its own name (the recipe cuts a chat's tokens there)."""
     plan, _ = plan_for([])
     assert plan["max_length"] == sft_settings.DEFAULTS["max_length"]
     plan, _ = plan_for(["--max-length", "64"])
@@ -513,8 +513,9 @@ LLAMA_LIKE = ("{% for message in messages %}{{ '<|start_header_id|>' + message['
 ])
 def test_the_chat_template_is_chosen_per_model(model, style, swift_flags, lf_keys, tmp_path, monkeypatch, swift_args,
                                                llamafactory_args):
-    """dslab-tiny's ChatML is chatml in both tools; a Qwen2/2.5-style template gets the tools' qwen templates (with
-    Qwen2's system prompt where LLaMA-Factory's qwen would add Qwen2.5's); anything else: a comment naming the flag."""
+    """dslab-tiny's ChatML is chatml in both frameworks; a Qwen2/2.5-style template gets the frameworks' qwen templates
+    (with Qwen2's system prompt where LLaMA-Factory's qwen would add Qwen2.5's); anything else: a comment naming the
+    flag."""
     monkeypatch.chdir(ROOT)
     if model.endswith("-folder"):
         template = {"qwen2.5-folder": QWEN_LIKE.replace("SYSTEM", sft_plan.QWEN25_SYSTEM),
@@ -594,7 +595,7 @@ def test_a_printed_command_reads_back_as_flags_and_compares_with_a_typed_one():
     flags = equivalents.command_flags(printed)
     assert flags == {"--model": "/abs/m", "--dataset": "a/b c.jsonl", "--learning_rate": "0.002",
                      "--model_name": "翊岫 Yixiu", "--weight_decay": "0.0"}
-    # 2e-3 and 0.002 are one value; a flag one side leaves to the tool's default is a difference
+    # 2e-3 and 0.002 are one value; a flag one side leaves to the framework's default is a difference
     assert equivalents.flag_differences(equivalents.command_flags(typed), flags) == [
         ("--model", "m", "/abs/m"), ("--weight_decay", None, "0.0"), ("--seed", "0", None)]
     assert equivalents.command_flags("FORCE_TORCHRUN=1 llamafactory-cli train x.yaml", "llamafactory-cli") == {}

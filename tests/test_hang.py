@@ -1,4 +1,4 @@
-"""Hangs (dslab.launch.hang): a job in which no rank makes progress is stopped after every rank's stack is shown
+"""Hangs (dslab.hangs.watcher): a job in which no rank makes progress is stopped after every rank's stack is shown
 with the collective it waits in; a job that computes silently for longer than the timeout is left alone."""
 import json
 import os
@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from dslab import launch, live
-from dslab.launch import hang
+from dslab.hangs import watcher
 from support import assert_no_strays
 
 # torch only (no DeepSpeed import in the ranks), so the launch costs little more than the launcher itself.
@@ -233,14 +233,14 @@ def test_live_ranks_a_slow_task_runs_and_a_hung_one_is_reported_and_stopped(tmp_
 def test_py_spy_reads_a_child_process_and_says_where_it_waits(tmp_path):
     proc = _child(tmp_path, "sleep")
     try:
-        threads = hang.read_stack(proc.pid)
+        threads = watcher.read_stack(proc.pid)
     finally:
         proc.kill()
         proc.wait()
-    collective, where = hang.where_blocked(threads, proc.pid)
+    collective, where = watcher.where_blocked(threads, proc.pid)
     assert collective is None
     assert where == f"in no collective: at sleeper.py:{_line_of(SLEEPER, 'time.sleep(120)')} (wait_here)"
-    assert "    wait_here (sleeper.py:" in hang.format_threads(threads, proc.pid)
+    assert "    wait_here (sleeper.py:" in watcher.format_threads(threads, proc.pid)
 
 
 def test_progress_is_cpu_over_the_window_or_output(tmp_path):
@@ -249,9 +249,9 @@ def test_progress_is_cpu_over_the_window_or_output(tmp_path):
         def one_rank(proc):
             return lambda: {0: [psutil.Process(proc.pid)]}
 
-        watches = {"sleeping": hang.ProgressWatch(2, one_rank(sleeping)),
-                   "burning": hang.ProgressWatch(2, one_rank(burning)),
-                   "sleeping but printing": hang.ProgressWatch(2, one_rank(sleeping))}
+        watches = {"sleeping": watcher.ProgressWatch(2, one_rank(sleeping)),
+                   "burning": watcher.ProgressWatch(2, one_rank(burning)),
+                   "sleeping but printing": watcher.ProgressWatch(2, one_rank(sleeping))}
         start, stalled = time.monotonic(), {}
         while time.monotonic() - start < 4.5:
             watches["sleeping but printing"].output()
@@ -272,7 +272,7 @@ def test_progress_is_cpu_over_the_window_or_output(tmp_path):
 def test_ranks_that_have_all_exited_are_not_hung():
     # Seen in CI: both ranks had finished, the launcher took over 5 s to exit, and the quiet window read as a hang.
     now, alive, me = [0.0], [True], psutil.Process()
-    watch = hang.ProgressWatch(2, lambda: {0: [me], 1: [me]} if alive[0] else {}, clock=lambda: now[0])
+    watch = watcher.ProgressWatch(2, lambda: {0: [me], 1: [me]} if alive[0] else {}, clock=lambda: now[0])
     assert not watch.stalled()
     alive[0] = False
     for now[0] in range(1, 10):
@@ -292,10 +292,10 @@ def test_frames_name_the_collective_whoever_issues_it():
     backend = {"name": "TorchBackend.all_gather_into_tensor", "filename": f"{site}/deepspeed/comm/torch.py",
                "short_filename": "deepspeed/comm/torch.py", "line": 300}
     mine = {"name": "<module>", "filename": "/home/me/train.py", "short_filename": "train.py", "line": 12}
-    assert [hang.collective_of(f) for f in (torch_all_reduce, logger, zero3_wait, backend, mine)] == \
+    assert [watcher.collective_of(f) for f in (torch_all_reduce, logger, zero3_wait, backend, mine)] == \
         ["all_reduce", None, "all_gather", "all_gather_into_tensor", None]
     threads = [{"os_thread_id": 7, "frames": [zero3_wait, logger, mine]}]
-    assert hang.where_blocked(threads, 7) == (
+    assert watcher.where_blocked(threads, 7) == (
         "all_gather", ("blocked in all_gather (deepspeed/runtime/zero/partition_parameters.py:765), "
                        "called from train.py:12 (<module>)"))
 
@@ -305,25 +305,25 @@ def test_a_bad_hang_timeout_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(launch.LaunchError, match="positive number of seconds"):
         launch.run("collectives", world_size=2, run_dir=tmp_path, hang_timeout=0)
     assert list(tmp_path.iterdir()) == []   # refused before the run folder was made
-    assert all("positive number of seconds" in hang.unready(bad) for bad in (-5, "20", True, None))
-    assert hang.unready(0.5) is None
+    assert all("positive number of seconds" in watcher.unready(bad) for bad in (-5, "20", True, None))
+    assert watcher.unready(0.5) is None
     with pytest.raises(ValueError, match="positive number of seconds"):
         live.start(world_size=2, hang_timeout=0)
     assert live.running() is already  # none started
 
 
 def test_the_process_group_timeout_is_lengthened_only_when_it_would_fire_first():
-    assert hang.deepspeed_timeout_env(20, {}) == {}                       # DeepSpeed's 10 minutes come later
-    assert hang.deepspeed_timeout_env(600, {}) == {"DEEPSPEED_TIMEOUT": "12"}
-    assert hang.deepspeed_timeout_env(600, {"DEEPSPEED_TIMEOUT": "5"}) == {}   # the user's choice stands
+    assert watcher.deepspeed_timeout_env(20, {}) == {}                       # DeepSpeed's 10 minutes come later
+    assert watcher.deepspeed_timeout_env(600, {}) == {"DEEPSPEED_TIMEOUT": "12"}
+    assert watcher.deepspeed_timeout_env(600, {"DEEPSPEED_TIMEOUT": "5"}) == {}   # the user's choice stands
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user")
 def test_a_stack_py_spy_may_not_read_is_a_clear_error(tmp_path):
     proc = _child(tmp_path, "sleep")   # ours (root); py-spy below runs as nobody and may not trace it
     try:
-        probe = (f"from dslab.launch import hang\ntry:\n    hang.read_stack({proc.pid})\n"
-                 "except hang.StackUnreadable as exc:\n    print(exc)\n")
+        probe = (f"from dslab.hangs import watcher\ntry:\n    watcher.read_stack({proc.pid})\n"
+                 "except watcher.StackUnreadable as exc:\n    print(exc)\n")
         out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
                               "-c", probe], capture_output=True, text=True, timeout=60, cwd=os.getcwd())
     finally:

@@ -1,5 +1,5 @@
 """The JupyterHub recipe's plain-Python part (deploy/jupyterhub/dslab_hub.py), on files in a temporary folder: the
-learner's cgroup as cgroup v2 and v1 lay it out, read back by the kit's own reader (dslab.launch.machine), and the
+learner's cgroup as cgroup v2 and v1 lay it out, read back by the kit's own reader (dslab.machine), and the
 learner's copy of the course. The hub itself runs in tests/jupyterhub (make test-jupyterhub), on this machine's real
 cgroups, which are one of the two layouts only; the recipe's pins are checked against the kit's here too."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dslab.launch import machine
+from dslab import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "jupyterhub"

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from dslab import launch, this_rank
-from dslab.launch import machine
+from dslab.launch import ports
 from support import assert_no_strays
 
 # Rank scripts import only dslab.this_rank (no torch), so each launch costs little more than the launcher.
@@ -127,18 +127,19 @@ def test_free_port_keeps_a_free_preferred_port():
 
 def test_a_chosen_port_lies_below_the_range_the_kernel_gives_outgoing_connections(tmp_path):
     # a port from that range can be taken by any connection before the store binds it (live ranks: minutes later)
-    first, _ = machine.ephemeral_ports()
-    assert first - machine.LOWEST_CHOSEN_PORT >= 1000   # room below it here (Linux default: 32768)
-    ports = {launch.free_port() for _ in range(20)}
-    assert all(machine.LOWEST_CHOSEN_PORT <= p < first for p in ports) and len(ports) > 1   # drawn, not alike
+    first, _ = ports.ephemeral_ports()
+    assert first - ports.LOWEST_CHOSEN_PORT >= 1000   # room below it here (Linux default: 32768)
+    drawn = {launch.free_port() for _ in range(20)}
+    assert all(ports.LOWEST_CHOSEN_PORT <= p < first for p in drawn) and len(drawn) > 1   # drawn, not alike
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("1024\t65535\n")
-    assert machine.ephemeral_ports(ranges) == (1024, 65535)
-    assert machine.ephemeral_ports(tmp_path / "absent") == (32768, 60999)
+    assert ports.ephemeral_ports(ranges) == (1024, 65535)
+    assert ports.ephemeral_ports(tmp_path / "absent") == (32768, 60999)
 
 
 def test_unknown_recipe_is_a_clear_error(tmp_path):
-    with pytest.raises(launch.LaunchError, match=r"'no_such_recipe' is neither a dslab recipe \(.*collectives.*\) nor a script"):
+    with pytest.raises(launch.LaunchError,
+                       match=r"'no_such_recipe' is neither a dslab recipe or driver \(.*hello.*zero_memory\) nor a script"):
         launch.run("no_such_recipe", world_size=2, run_dir=tmp_path)
 
 
@@ -155,12 +156,15 @@ def test_command_line_for_a_recipe_and_for_a_script(tmp_path):
     script = _script(tmp_path, "mine.py", "print('hi')\n")
     assert launch.build_command(str(script), 2, 29500, "logs")[-1] == str(script)
     assert launch.build_command("collectives", 2, 1, "logs", include="localhost:0,1")[1:3] == ["--include", "localhost:0,1"]
+    # a driver (run on ranks by dslab's own functions) is found by name as a recipe is
+    assert launch.build_command("zero_memory", 2, 29500, "logs")[-2:] == ["--module", "dslab.drivers.zero_memory"]
+    assert launch.script_module("hello") == "dslab.recipes.hello" and launch.script_module("mine") is None
 
 
 # ---- keyword arguments -> command-line words -> a recipe's parser: the same values back --------------------------
 
 def recipe_parser():
-    """A parser as the recipes write one: each form launch.recipe_argv writes."""
+    """A parser as the recipes and drivers write one: each form launch.keyword_argv writes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's, unless --no_local_rank
     parser.add_argument("--steps", type=int, default=4)
@@ -174,19 +178,19 @@ def recipe_parser():
     return parser
 
 
-def test_recipe_argv_writes_each_form_a_recipe_declares():
-    assert launch.recipe_argv({"steps": 8, "lr": 3e-4, "name": "plain text", "sizes": [1, "a"], "shape": {"n": 2},
-                               "flag": True, "other_flag": False, "model": None}) == \
+def test_keyword_argv_writes_each_form_a_recipe_declares():
+    assert launch.keyword_argv({"steps": 8, "lr": 3e-4, "name": "plain text", "sizes": [1, "a"], "shape": {"n": 2},
+                                "flag": True, "other_flag": False, "model": None}) == \
         ["--steps", "8", "--lr", "0.0003", "--name", "plain text", "--sizes", '[1, "a"]', "--shape", '{"n": 2}', "--flag"]
 
 
 def test_what_launch_writes_parses_back_to_the_same_values():
     values = {"steps": 8, "lr": 3e-4, "name": "run one", "sizes": [[0], [1]], "shape": {"hidden_size": 64},
               "flag": True, "other_flag": False, "model": None}
-    args = vars(recipe_parser().parse_args(launch.recipe_argv(values)))
+    args = vars(recipe_parser().parse_args(launch.keyword_argv(values)))
     assert args == {**values, "local_rank": -1}
     # the words of a launch shown as a command line, then split by a shell, are the same words
-    words = launch.recipe_argv(values)
+    words = launch.keyword_argv(values)
     assert shlex.split(shlex.join(words)) == words
 
 
@@ -208,7 +212,7 @@ def test_the_sft_recipe_parses_what_dslab_sft_passes(tmp_path):
               "model_name": ["鲸", "Whale"], "mix_general": 0, "deepspeed": str(tmp_path / "ds.json"),
               "gradient_checkpointing": True, "max_length": 64, "world_size": 4, "timeout": 9.0}
     values = sft_settings.resolve({**chosen, "output": str(tmp_path / "out")})
-    args = vars(recipe.parse_args(launch.recipe_argv(sft_settings.recipe_arguments(values))))
+    args = vars(recipe.parse_args(launch.keyword_argv(sft_settings.recipe_arguments(values))))
     for s in sft_settings.SETTINGS:
         if s.on_ranks:
             wanted = values[s.name]

@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 
 from dslab import live
 from dslab.launch.guard import is_running
-from dslab.launch.machine import usable_cores
+from dslab.machine import usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 

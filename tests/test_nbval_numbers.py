@@ -73,10 +73,10 @@ KERNEL_PATHS = ("native", "AVX512_CORE", "AVX2", "AMX")
 
 def test_every_declared_tolerance_says_what_it_covers_and_where_it_was_measured():
     """A tolerance is a measurement: its why names the kernel paths the spread was measured on. Chapters that run in
-    the tools' venvs (course.Chapter.tool_venvs: 14) are left out: their tool cells run in those venvs (make
-    test-tools), not under the kit's kernel paths."""
+    the frameworks' venvs (course.Chapter.framework_venvs: 14) are left out: their framework cells run in those venvs
+    (make test-frameworks), not under the kit's kernel paths."""
     for chapter in course.CHAPTERS:
-        if chapter.tool_venvs:
+        if chapter.framework_venvs:
             continue
         path = ROOT / chapter.notebooks[0]
         nb = nbformat.read(path, as_version=4)

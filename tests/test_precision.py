@@ -152,9 +152,9 @@ def test_deepspeed_fp16_engine_runs_where_the_accelerator_allows_it_and_is_refus
     forced on the CPU accelerator, whose fp16 then runs in torch's fp16 CPU kernels), DeepSpeed's fp16 optimizer
     skips the two overflowing steps and halves its loss scale exactly as the scaler replay says; elsewhere
     deepspeed.initialize refuses fp16."""
-    from dslab.env import has_gpu
+    from dslab.machine import gpu_count
 
-    if has_gpu() and fp16_supported == "no":
+    if gpu_count() and fp16_supported == "no":
         pytest.skip("a GPU supports fp16")
     out = subprocess.run([sys.executable, "-c", _DEEPSPEED_FP16, fp16_supported], capture_output=True, text=True,
                          timeout=300)

@@ -150,17 +150,17 @@ def _profiled_at_zero1(model, batches, profile_step):
 
 
 def _trained_then_counted_by_hand(model, batches, profile_step):
-    from dslab.precision import mfu
+    from dslab import flops
 
     _trained(model, batches, _profile_config(batches[0].shape[0], profile_step, profiler=False), initialize)
-    return mfu.forward_flops(model.config, *batches[profile_step].shape)["total"]
+    return flops.forward_flops(model.config, *batches[profile_step].shape)["total"]
 
 
 def _the_chapters_profiler_count(model, batches, profile_step):
-    from dslab.precision import mfu
+    from dslab import flops
 
     rows, seq = batches[profile_step].shape           # the chapter's arithmetic, no engine at all
-    return mfu.rule_of_thumb_gap(sum(p.numel() for p in model.parameters()), model.config, rows, seq)["profiler"]
+    return flops.rule_of_thumb_gap(sum(p.numel() for p in model.parameters()), model.config, rows, seq)["profiler"]
 
 
 PROFILE_RIGHT = (_profiled_all_reduce, _profiled_to_a_file)
@@ -260,9 +260,9 @@ def test_fix_loop_refuses_the_window_as_one_batch_and_accepts_real_accumulation(
 # ---------------------------------------------------------------------------------------------- 13.forward_flops
 
 def _flops_from_the_reference(config, batch_size, seq_len):
-    from dslab.precision import mfu
+    from dslab import flops
 
-    return mfu.forward_flops(config, batch_size, seq_len)["total"]
+    return flops.forward_flops(config, batch_size, seq_len)["total"]
 
 
 def _flops_through_a_helper(config, batch_size, seq_len):
@@ -272,8 +272,8 @@ def _flops_through_a_helper(config, batch_size, seq_len):
 def _table_total(config, batch_size, seq_len):
     import importlib
 
-    mfu = importlib.import_module("dslab.precision.mfu")
-    return round(sum(row["GFLOP"] for row in mfu.forward_table(config, batch_size, seq_len)[:-1]) * 1e9)
+    flops = importlib.import_module("dslab.flops")
+    return round(sum(row["GFLOP"] for row in flops.forward_table(config, batch_size, seq_len)[:-1]) * 1e9)
 
 
 def _flops_of_the_chapters_shape(config, batch_size, seq_len):
@@ -281,7 +281,7 @@ def _flops_of_the_chapters_shape(config, batch_size, seq_len):
 
 
 def _flops_term_by_term(config, batch_size, seq_len):
-    from dslab.precision.mfu import layer_shape     # a helper that reads the config, not the count
+    from dslab.flops import layer_shape     # a helper that reads the config, not the count
 
     layers, hidden, heads, kv_heads, head_dim, inter, vocab = layer_shape(config)
     tokens = batch_size * seq_len
@@ -293,11 +293,11 @@ def _flops_term_by_term(config, batch_size, seq_len):
 
 
 def test_forward_flops_refuses_the_reference_and_accepts_a_count_of_ones_own():
-    from dslab.precision import mfu
+    from dslab import flops
 
-    assert _table_total(*_chapter_shape()) == mfu.forward_flops(*_chapter_shape())["total"]   # right, by the table
-    refused("13.forward_flops", _flops_from_the_reference, "gets its number from dslab.precision.mfu.forward_flops")
-    refused("13.forward_flops", _flops_through_a_helper, "gets its number from dslab.precision.mfu.forward_flops")
+    assert _table_total(*_chapter_shape()) == flops.forward_flops(*_chapter_shape())["total"]   # right, by the table
+    refused("13.forward_flops", _flops_from_the_reference, "gets its number from dslab.flops.forward_flops")
+    refused("13.forward_flops", _flops_through_a_helper, "gets its number from dslab.flops.forward_flops")
     refused("13.forward_flops", _flops_of_the_chapters_shape, "your function gives 5,923,766,272")
     accepted("13.forward_flops", _flops_term_by_term)
     accepted("13.forward_flops", lambda config, b, s: _flops_term_by_term(config, b, s) + 0)
@@ -365,8 +365,8 @@ REDTEAM = {   # what the tests above check, declared for tests/test_redteam_cove
         "hard_coded": [_the_chapters_big_batch],
     },
     "13.forward_flops": {
-        "wrong": [(_flops_from_the_reference, "gets its number from dslab.precision.mfu.forward_flops"),
-                  (_flops_through_a_helper, "gets its number from dslab.precision.mfu.forward_flops"),
+        "wrong": [(_flops_from_the_reference, "gets its number from dslab.flops.forward_flops"),
+                  (_flops_through_a_helper, "gets its number from dslab.flops.forward_flops"),
                   (_flops_of_the_chapters_shape, "your function gives 5,923,766,272")],
         "right": [_flops_term_by_term, lambda config, b, s: _flops_term_by_term(config, b, s) + 0],   # as the test
         "hard_coded": [_flops_from_the_reference, _flops_through_a_helper, _flops_of_the_chapters_shape],

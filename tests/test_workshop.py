@@ -10,8 +10,8 @@ import pytest
 from dslab import course, messages, workshop
 
 ROOT = Path(__file__).resolve().parents[1]
-# tools.measure_chapters measures every chapter but those that run in the tools' venvs
-MEASURED = [ch.nn for ch in course.CHAPTERS if not ch.tool_venvs]
+# tools.measure_chapters measures every chapter but those that run in the frameworks' venvs
+MEASURED = [ch.nn for ch in course.CHAPTERS if not ch.framework_venvs]
 NEEDS = {"measured_on": {"cpu": "a test CPU", "usable_cores": 2, "memory_gib": 8.0},
          "install": {"venv_mb": 2048, "course_copy_mb": 100},
          "chapters": {"01": {"peak_memory_mb": 1536, "disk_mb": 10, "cpu_seconds": 120, "wall_seconds": 100},
@@ -34,7 +34,7 @@ def test_a_learner_count_that_is_not_a_positive_whole_number_is_refused(learners
         workshop.plan(learners, NEEDS)
 
 
-def test_every_chapter_outside_the_tools_venvs_has_measured_needs():
+def test_every_chapter_outside_the_frameworks_venvs_has_measured_needs():
     needs = workshop.measured()
     assert list(needs["chapters"]) == MEASURED, "rerun python -m tools.measure_chapters for the chapters it lacks"
     for chapter, one in needs["chapters"].items():

@@ -3,7 +3,7 @@ reads it (dslab/chapter_needs.json).
 
 Course tooling, run from the repository root on a quiet machine (nothing else running), after a chapter changed:
 
-    python -m tools.measure_chapters            every English chapter but those run in the tools' venvs (14)
+    python -m tools.measure_chapters            every English chapter but those run in the frameworks' venvs (14)
     python -m tools.measure_chapters 05 07      only these; the others keep their stored figures
 
 Each chapter runs top to bottom as tools.record runs it (into a scratch folder: the stored outputs are left alone),
@@ -112,15 +112,17 @@ def install_facts():
 
 
 def main(argv=None):
-    from dslab.env import cpu_info, memory_info
+    from dslab.machine import cpu_info, memory_info
 
     parser = argparse.ArgumentParser(prog="python -m tools.measure_chapters", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*",
-                        help="chapter numbers or name prefixes (default: every chapter but those in the tools' venvs)")
+                        help="chapter numbers or name prefixes (default: every chapter but those in the frameworks' "
+                             "venvs)")
     args = parser.parse_args(argv)
     stored = json.loads(NEEDS_FILE.read_text(encoding="utf-8")) if NEEDS_FILE.exists() else {"chapters": {}}
-    in_tool_venvs = {f"{ch.notebook}.ipynb" for ch in course.CHAPTERS if ch.tool_venvs}  # need make swift llamafactory
-    paths = [p for p in chapters(args.names) if args.names or p.name not in in_tool_venvs]
+    # those that need make swift llamafactory
+    in_framework_venvs = {f"{ch.notebook}.ipynb" for ch in course.CHAPTERS if ch.framework_venvs}
+    paths = [p for p in chapters(args.names) if args.names or p.name not in in_framework_venvs]
     for path in paths:
         print(f"{path.name} ...", flush=True)
         stored["chapters"][path.name[:2]] = figures = measure(path)

@@ -8,7 +8,7 @@ Course tooling, run from the repository root after changing a chapter's code:
                                            with `python tests/nbval_numbers.py STORED DIR/COPY` on each
 
 A recorded notebook keeps, in its metadata, the facts of the machine that recorded it ("dslab": {"recorded_on":
-dslab.env.accelerator_info() and dslab.launch.tools.venv_facts()}): cells whose output depends on one of them say
+dslab.env.accelerator_info() and dslab.launch.frameworks.venv_facts()}): cells whose output depends on one of them say
 so, and are compared only on a machine where it is the same (tests/nbval_numbers.py). Then refresh the Chinese twins: python -m tools.zh_sync.
 A cell that raises stops the recording with its traceback (nothing is written).
 """
@@ -41,7 +41,7 @@ def record(path, out_dir=None, timeout=900):
     from nbclient import NotebookClient
 
     from dslab.env import accelerator_info
-    from dslab.launch.tools import venv_facts
+    from dslab.launch.frameworks import venv_facts
 
     text = path.read_text(encoding="utf-8")
     nb = nbformat.reads(text, as_version=4)

@@ -4,7 +4,7 @@ import, so that the kit's own tests can check it (tests/test_hub_recipe.py):
 - a cgroup per learner that holds their single-user server and everything it starts (kernels, ranks, terminals),
   with a CPU quota and a memory limit: cgroup v2 (cpu.max, memory.max) where the cpu and memory controllers are
   there, else cgroup v1 (cpu.cfs_quota_us, memory.limit_in_bytes). dslab reads the same files to size its ranks
-  (dslab.launch.machine.cpu_cores);
+  (dslab.machine.cpu_cores);
 - the learner's own copy of the course, made once, as the learner: `python dslab_hub.py copy-course KIT DEST`.
 """
 import errno

@@ -2,11 +2,11 @@
 import argparse
 
 from dslab import messages
-from dslab.cli import launch, models, setup, sft, workshop
+from dslab.cli import launch, models, preflight, sft, workshop
 
 # Each command group defines add_commands(subparsers); every parser it adds sets `func`, a callable taking the
 # parsed args and returning the exit status. Library modules hold no argparse: the command line lives here only.
-COMMAND_GROUPS = (setup, launch, models, sft, workshop)
+COMMAND_GROUPS = (preflight, launch, models, sft, workshop)
 
 
 def build_parser():

@@ -16,7 +16,7 @@ def add_commands(subparsers):
     sft_settings.add_cli_options(p)  # every setting of the run, defined once
     p.add_argument("--print-equivalent", choices=equivalents.TARGETS, default=None,
                    help="print this run for the Hugging Face Trainer (hf), ms-swift (swift) or LLaMA-Factory "
-                        "(llamafactory), write the files its command reads into OUTPUT-<tool>/, and exit: nothing "
+                        "(llamafactory), write the files its command reads into OUTPUT-<framework>/, and exit: nothing "
                         "is trained, loaded or launched")
     p.set_defaults(func=run_sft)
 
@@ -50,8 +50,9 @@ def expected_steps(args):
 
 
 def print_equivalent(args):
-    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another tool (dslab.training.equivalents),
-    printed, with the files its command reads written into OUTPUT-<tool>/ (dslab.training.sft_plan)."""
+    """`dslab sft ... --print-equivalent hf|swift|llamafactory`: the same run for another framework
+    (dslab.training.equivalents), printed, with the files its command reads written into OUTPUT-<framework>/
+    (dslab.training.sft_plan)."""
     this_rank.quiet()  # reading a --deepspeed file imports DeepSpeed, which talks on import
     try:
         plan = sft_plan.plan_from_args(args)

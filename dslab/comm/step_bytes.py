@@ -4,17 +4,17 @@ Three numbers per rank, side by side in sent_per_rank() (`dslab comm` prints it)
   ideal_bytes(...)            the ZeRO paper's ring formulas: 2(N-1)/N x Ψ bytes for stages 0-2 (a reduce-scatter
                               and an all-gather, one all-reduce's worth), 3(N-1)/N x Ψ for stage 3
   deepspeed_collectives(...)  the collectives DeepSpeed 0.19.8 runs in one step for this parameter list and
-                              config, read from its source (each step below names where; the settings that change
-                              the path, and the first step, in dslab.comm.settings), each priced by
+                              config, read from its source (each step below names where; how a bucket is reduced in
+                              dslab.zero.partition, ZeRO-3's fetches in dslab.comm.zero3_fetch), each priced by
                               dslab.comm.gloo_bytes: what gloo writes to its sockets, headers included, and by
                               dslab.comm.nccl_bytes: what NCCL's rings would send on GPUs
-  measure(...)                new ranks run the comm_bytes recipe: the bytes each process wrote during one step
+  measure(...)                new ranks run the comm_bytes driver: the bytes each process wrote during one step
                               (/proc/self/io `wchar`) and the collectives DeepSpeed's comms logger recorded
 On live ranks, logged_messages(deepspeed.comm.log_summary(return_dict=True)) and wire.bytes_written() give the
 measured side. measure_ddp / ddp_step_bytes do the same for torch's DistributedDataParallel, with and without no_sync().
 """
-from dslab.comm import gloo_bytes, nccl_bytes, settings, wire, zero3_fetch
-from dslab.zero import memory
+from dslab.comm import gloo_bytes, nccl_bytes, wire, zero3_fetch
+from dslab.zero import memory, partition
 
 # DeepSpeed 0.19.8's defaults for the keys read below (deepspeed/runtime/zero/config.py, precision_config.py).
 ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7, "stage3_max_reuse_distance": 1e9,
@@ -130,7 +130,7 @@ def deepspeed_collectives(trace, world_size, ds_config, first_step=False):
         in_hooks = stage == 2 or zero["overlap_comm"]
         order = ready if in_hooks else range(len(numels))
         for bucket in _close_before_overflow(order, numels, int(zero["reduce_bucket_size"])):
-            for op, numel, root in settings.bucket_reductions(bucket, numels, n, zero):
+            for op, numel, root in partition.bucket_reductions(bucket, numels, n, zero):
                 to = f", to rank {root}, its owner" if op == "reduce" else ""
                 ops.append(_op(op, f"gradients: a reduce bucket of {_parameters(bucket)}{to}", numel, cdt,
                                accum if stage == 2 else 1, root=root))
@@ -141,7 +141,7 @@ def deepspeed_collectives(trace, world_size, ds_config, first_step=False):
             ops.append(_op("all_reduce", "gradient norm (squared, summed over ranks)", 1, "fp32", 1,
                            '"zero_optimization": {"compute_grad_norm": false}, with "gradient_clipping": 0'))
         ops.append(_op("all_gather_into_tensor", "updated parameters: each rank's partition to every rank",
-                       settings.partition_size(psi, n), s["precision"]))
+                       partition.partition_size(psi, n), s["precision"]))
     else:
         ops += _zero3(trace, ready, shard, n, s, notes, first_step)
     return ops, notes
@@ -152,8 +152,8 @@ def _zero3(trace, ready, shard, n, s, notes, first_step):
     zero, accum, precision = s["zero"], s["accum"], s["precision"]
     keep = zero3_fetch.persistent(trace, int(zero["stage3_param_persistence_threshold"]))
     ops = [_op("broadcast", f"first step: {what}", numel, dtype) for what, numel, dtype in
-           (settings.TRACE_CHECK if first_step else ())]
-    calls = settings.first_step_fetches(trace, keep) if first_step else zero3_fetch.fetch_calls(
+           (zero3_fetch.TRACE_CHECK if first_step else ())]
+    calls = zero3_fetch.first_step_fetches(trace, keep) if first_step else zero3_fetch.fetch_calls(
         trace, max(0, int(zero["stage3_prefetch_bucket_size"])), int(zero["stage3_max_reuse_distance"]),
         int(zero["stage3_max_live_parameters"]), keep)
     if len(calls) > 1 and not first_step:

@@ -8,8 +8,18 @@ elements of the trace or the prefetcher already looked past their next use. fetc
 on a trace of forward module order, then backward in reverse. Checked against DeepSpeed's comms log on the
 course's Qwen2 shapes: the same all-gather calls, message for message, for prefetch buckets from 0 to the
 whole model and reuse distances 0 and 1e9 (with a small stage3_max_live_parameters it was one call off).
+
+The first step after deepspeed.initialize has no recorded order yet, so nothing is prefetched and every module's
+parameters are released right after it runs: each module gathers its own in forward and again in backward
+(first_step_fetches). Before that, the forward's first hook (reset_step) checks that every rank recorded the same
+module order, still empty: TRACE_CHECK.
 """
 import collections
+
+# reset_step -> assert_ints_same_as_other_ranks(order): broadcasts the list's length (one int64) from rank 0, then
+# the list itself, which in the first step is empty: (what, elements, dtype) as the comms logger records them.
+TRACE_CHECK = (("the recorded module order's length (still 0)", 1, "int64"),
+               ("the recorded module order (still empty)", 0, "int64"))
 
 
 def model_trace(shape=None):
@@ -104,3 +114,9 @@ def fetch_calls(trace, prefetch_bucket_size, max_reuse_distance, max_live_parame
             available.discard(p)
             n_available -= numels[p]
     return calls
+
+
+def first_step_fetches(trace, keep=()):
+    """ZeRO-3's parameter all-gathers in the first step: one per module, in forward and again in backward (lists of
+    parameter indexes; keep: the persistent ones, never gathered)."""
+    return fetch_calls(trace, prefetch_bucket_size=0, max_reuse_distance=0, keep=keep)

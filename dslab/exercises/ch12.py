@@ -119,7 +119,8 @@ def _with_samples(source, samples):
 
 def _run_fixed(source, world_size):
     """The log of the script run on `world_size` ranks under the hang watch; a Mistake if it hangs or fails."""
-    from dslab import hang_reports, launch
+    from dslab import launch
+    from dslab.hangs import diagnoses
 
     with tempfile.TemporaryDirectory(prefix="dslab-12-") as tmp:
         script = Path(tmp) / "uneven_fixed.py"
@@ -130,7 +131,7 @@ def _run_fixed(source, world_size):
                                   timeout=300, hang_timeout=HANG_TIMEOUT_S).log
         except launch.LaunchError as err:
             report = str(err)
-            where = hang_reports.blocked(report)
+            where = diagnoses.blocked(report)
             if where:
                 said = "; ".join(f"rank {r} waits in {w['collective']} at line {w['line']}" for r, w in where.items())
                 raise Mistake(f"it still hangs on {world_size} ranks ({said}): every rank must call all_reduce the "

@@ -8,7 +8,7 @@ from dslab.exercises import Mistake, exercise, expect, on_ranks, references, req
 
 
 # 13.forward_flops: the learner writes my_forward_flops(config, batch_size, seq_len) -> the forward FLOPs DeepSpeed's
-# flops profiler counts for a Qwen2-style model. The checker compares it with dslab.precision.mfu.forward_flops on shapes that
+# flops profiler counts for a Qwen2-style model. The checker compares it with dslab.flops.forward_flops on shapes that
 # tell the terms apart (tied and untied heads, grouped-query attention, a head size set apart from hidden/heads), and
 # refuses a function that gets its number from that reference (dslab.exercises.references): it is right on every shape
 # by construction.
@@ -26,7 +26,7 @@ def _configs():
 
 def _diagnose(got, terms, config, batch_size, seq_len):
     """A hint naming the term the answer is off by, when it is off by exactly one."""
-    from dslab.precision import mfu
+    from dslab import flops
 
     total = terms["total"]
     if got == total - terms["attention (QK^T, AV)"]:
@@ -38,7 +38,7 @@ def _diagnose(got, terms, config, batch_size, seq_len):
         return "SiLU is missing: the profiler counts one FLOP per element it activates (tokens x intermediate per layer)"
     if got == total - terms["output head"]:
         return "the output head is missing: one more linear layer, hidden -> vocab, for every token"
-    layers, h, heads, kv_heads, d, _, _ = mfu.layer_shape(config)
+    layers, h, heads, kv_heads, d, _, _ = flops.layer_shape(config)
     if kv_heads != heads and got == total + 2 * 2 * batch_size * seq_len * layers * h * (heads - kv_heads) * d:
         return "k_proj and v_proj produce num_key_value_heads x head_dim features, not hidden_size (grouped-query attention)"
     if got * 2 == total or got == 2 * total:
@@ -56,12 +56,12 @@ def _diagnose(got, terms, config, batch_size, seq_len):
                "o, gate, up, down per layer, and the output head), attention 4 x batch x heads x seq^2 x head_dim per "
                "layer, SiLU tokens x intermediate per layer.")
 def _check_forward_flops(fn):
-    from dslab.precision import mfu
+    from dslab import flops
 
     if not callable(fn):
         raise Mistake(f"answer with the function itself (answer = my_forward_flops), got {type(fn).__name__}")
     for config, batch_size, seq_len in _configs():
-        terms = mfu.forward_flops(config, batch_size, seq_len)
+        terms = flops.forward_flops(config, batch_size, seq_len)
         got = fn(config, batch_size, seq_len)
         number = isinstance(got, numbers.Real) and not isinstance(got, bool)   # numpy's integers are Real too
         if not number or got != terms["total"]:
@@ -71,7 +71,7 @@ def _check_forward_flops(fn):
             why = _diagnose(got, terms, config, batch_size, seq_len) if number else None
             raise Mistake(f"for {shape} the profiler counts {terms['total']:,} FLOPs, your function gives "
                           + (f"{got:,.0f}" if number else repr(got)) + (f": {why}" if why else ""))
-    leaned = references.leaned_on(fn, (mfu.forward_flops, _answer_without))
+    leaned = references.leaned_on(fn, (flops.forward_flops, _answer_without))
     if leaned:
         raise Mistake(f"your function gets its number from {leaned}, the arithmetic this checker compares with: it "
                       "agrees on every shape by construction and counts nothing itself. Count the terms from the "
@@ -81,9 +81,9 @@ def _check_forward_flops(fn):
 
 def _answer_without(config, batch_size, seq_len, term):
     """A learner's typical miss: the right count without one term (for the wrong answers above)."""
-    from dslab.precision import mfu
+    from dslab import flops
 
-    terms = mfu.forward_flops(config, batch_size, seq_len)
+    terms = flops.forward_flops(config, batch_size, seq_len)
     return terms["total"] - terms[term]
 
 
@@ -177,7 +177,7 @@ def _check_bf16_states(cfg, world_size=2):
 # profile_step, one training step per batch, and on every rank the forward FLOPs the profiler counted (only rank 0
 # profiles: engine.py starts the profiler when global_steps == profile_step and global_rank == 0). Checked on 2 and 3
 # ranks: a small Qwen2 model, batches of a different length at every step and the step to profile, drawn now; the
-# count must be dslab.precision.mfu.forward_flops of the profiled step's batch, exactly, and it must be what DeepSpeed's
+# count must be dslab.flops.forward_flops of the profiled step's batch, exactly, and it must be what DeepSpeed's
 # profiler counted: the trial watches deepspeed.initialize and the profiler's report (FlopsProfiler.print_model_profile,
 # which engine.step() calls at the profiled step and which sets .flops), so a count computed without the profiler, or
 # profiled on an engine that is not ZeRO-2 in bf16, is refused although the number is right.
@@ -278,7 +278,7 @@ def profile_trial(profiled_flops, case):
     batch (to tell which one it profiled), and the engines it built and the profiles DeepSpeed made."""
     import torch
 
-    from dslab.precision import mfu
+    from dslab import flops
     from dslab.models.loading import build_model
 
     config = profile_case_config(case)
@@ -299,7 +299,7 @@ def profile_trial(profiled_flops, case):
         raise
     if hasattr(got, "item"):
         got = got.item()
-    counts = [mfu.forward_flops(config, case["rows"], s) for s in case["seq_lens"]]
+    counts = [flops.forward_flops(config, case["rows"], s) for s in case["seq_lens"]]
     return {"got": got if isinstance(got, (int, float)) and not isinstance(got, bool) else repr(got)[:80],
             "totals": [c["total"] for c in counts], "silu": [c["SiLU"] for c in counts],
             "rank": torch.distributed.get_rank(), "watched": watch.summary()}
@@ -407,9 +407,9 @@ def _profile_zero0_fp32(model, batches, profile_step):
 
 
 def _profile_arithmetic(model, batches, profile_step):
-    from dslab.precision import mfu
+    from dslab import flops
 
-    return mfu.forward_flops(model.config, *batches[profile_step].shape)["total"]   # no engine, no profiler
+    return flops.forward_flops(model.config, *batches[profile_step].shape)["total"]   # no engine, no profiler
 
 
 @exercise("13.profiled_flops",

@@ -1,4 +1,4 @@
-"""Chapter 14 (ms-swift and LLaMA-Factory): how many optimizer steps a Trainer-based tool runs.
+"""Chapter 14 (ms-swift and LLaMA-Factory): how many optimizer steps a Trainer-based framework runs.
 
 Solutions: notebooks/solutions/14_solutions.py."""
 import math

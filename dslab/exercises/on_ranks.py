@@ -1,14 +1,14 @@
 """Checkers that run a learner's code on real ranks: N processes started by the deepspeed launcher, one process group.
 
 Kernel side, `run(trial, answers, world_size, case)`: the answers (each a tuple of the learner's functions) travel as
-source (dslab.exercises.shipping), one launch of `dslab/recipes/exercise_trial.py` runs `trial(*answer, case=case)`
+source (dslab.exercises.shipping), one launch of `dslab/drivers/exercise_trial.py` runs `trial(*answer, case=case)`
 on every rank for each answer in turn, and each rank's result comes back. What ran is remembered for the rest of the
 process, so a test that checks a solution and several wrong answers pays for one launch per world size
 (`prepare`), and checking the same code twice does not start ranks twice. Within `batched()`, runs are only noted,
 and the block's end starts one launch per world size for all of them: a test session prepares every exercise's
 answers that way (starting ranks, not running trials, is what costs on a small machine).
 
-Rank side, `serve(spec_file)`: what the recipe calls. An exception in the learner's code becomes the learner's
+Rank side, `serve(spec_file)`: what the driver calls. An exception in the learner's code becomes the learner's
 trimmed traceback (dslab.exercises.feedback), said from the rank it happened on; a `Mistake` raised by the trial, its
 message.
 """
@@ -121,7 +121,8 @@ def _run_together(world_size, cases):
 
 
 def _launch(jobs, world_size):
-    from dslab import hang_reports, launch
+    from dslab import launch
+    from dslab.hangs import diagnoses
 
     with tempfile.TemporaryDirectory(prefix="dslab-check-") as tmp:
         spec = Path(tmp) / "spec.json"
@@ -132,14 +133,14 @@ def _launch(jobs, world_size):
                                     timeout=TIMEOUT_S * len(jobs), hang_timeout=HANG_TIMEOUT_S, spec=str(spec))
         except launch.LaunchError as err:
             report = str(err)
-            where = hang_reports.blocked(report)
+            where = diagnoses.blocked(report)
             if where:
                 said = "; ".join(f"rank {r} waits in {w['collective']}" for r, w in sorted(where.items()))
                 raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
                               "ranks were stopped: a collective that not every rank calls waits forever. Call every "
                               "collective, and everything that calls one (deepspeed.initialize, engine.step), on "
                               "every rank.") from None
-            if waits := hang_reports.waiting(report):   # a hang outside any collective: where each rank was
+            if waits := diagnoses.waiting(report):   # a hang outside any collective: where each rank was
                 said = "; ".join(f"rank {r} {w}" for r, w in sorted(waits.items()))
                 raise Mistake(f"no rank made progress for {HANG_TIMEOUT_S} s on {world_size} ranks ({said}), so the "
                               "ranks were stopped.") from None

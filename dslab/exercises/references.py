@@ -1,7 +1,7 @@
 """Whether a learner's function leans on a reference function: the checker's own, or the chapter's, that computes the
 answer the learner is asked to write (03.fix_loop: dslab.training.accumulation.accumulate_backward, the loop chapter 03
 prints; 05.mask_prompt: dslab.data.sft_example, the masking chapter 05 runs; 13.forward_flops:
-dslab.precision.mfu.forward_flops; 14.trainer_steps: the checker's trainer_steps_reference and
+dslab.flops.forward_flops; 14.trainer_steps: the checker's trainer_steps_reference and
 dslab.training.sft_plan.trainer_steps). Such an answer is right on every case a checker can draw, since the checker
 compares with that same function (or the chapter's function does the very work asked): only reading the code tells it
 apart.

@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 from dslab.launch.guard import parent_death_signal
-from dslab.launch.machine import TOOLS_DIR, free_port, gpu_count, remove_stale_shm_buffers, tool
+from dslab.launch.ports import free_port, remove_stale_shm_buffers
 from dslab.launch.supervise import NOISE, LaunchError, fresh_run_dir, rank_environment, run_job, shower
+from dslab.machine import TOOLS_DIR, gpu_count, tool
 from dslab.messages import say
 
 LAUNCHERS = ("deepspeed", "torchrun", "accelerate")

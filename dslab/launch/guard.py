@@ -27,7 +27,7 @@ import time
 
 import psutil
 
-from dslab.launch.machine import remove_shm_buffers, remove_stale_shm_buffers
+from dslab.launch.ports import remove_shm_buffers, remove_stale_shm_buffers
 
 # Set in the environment of every launcher dslab starts, to a value of that job's own: the ranks inherit it.
 JOB_ENV = "DSLAB_JOB"

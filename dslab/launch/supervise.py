@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dslab.files import atomic_write_text
-from dslab.launch import hang
+from dslab.hangs import watcher
+from dslab.hangs.diagnoses import TORCH_PREFIX
 from dslab.launch.guard import JOB_ENV, parent_death_signal, processes_with_env, start_guard, stop_processes
-from dslab.launch.machine import ensure_build_tools_on_path, gpu_count, remove_stale_shm_buffers, threads_per_rank
+from dslab.launch.ports import remove_stale_shm_buffers
+from dslab.machine import ensure_build_tools_on_path, gpu_count, threads_per_rank
 from dslab.messages import say
 
 # Where each rank leaves its JSON result (dslab.this_rank.save_rank_result); launch sets it for every rank.
@@ -33,7 +35,6 @@ NOISE = re.compile(
     r"|^\[\d+/\d+\] "
     r"|^Time to load \S+ op:"
 )
-TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes uncaught tracebacks itself
 # How a rank fails when another rank died first: these are echoes, not causes.
 _ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
                    r"DistNetworkError|DistBackendError|NCCL communicator was aborted|Socket Timeout|"
@@ -140,14 +141,14 @@ class _Tailer(threading.Thread):
 
 def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None, hang_timeout=None):
     """Start one launcher per command (one per node), show every rank's output, and stop them all as soon as one
-    fails, times out, hangs (no rank made progress for `hang_timeout` s: dslab.launch.hang) or is interrupted.
+    fails, times out, hangs (no rank made progress for `hang_timeout` s: dslab.hangs.watcher) or is interrupted.
     Returns (rank_logs, launcher outputs, return codes).
 
     Rank output comes from the per-rank log files the deepspeed launcher writes into `log_dir`
     (--enable_each_rank_log), and from the launchers' own output through `line_rank(node, line) -> (rank, text)`
     (torchrun --tee prefixes each rank's lines), or None to leave the line out; rank None: shown, not a rank's.
     """
-    if hang_timeout is not None and (problem := hang.unready(hang_timeout)):
+    if hang_timeout is not None and (problem := watcher.unready(hang_timeout)):
         raise LaunchError(problem)
     job = f"{os.getpid()}-{uuid.uuid4().hex}"
     outputs, stdout_ranks, procs, readers = [[] for _ in commands], {}, [], []
@@ -167,8 +168,8 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None,
     guard = start_guard(marker=(JOB_ENV, job))
     watch = None
     if hang_timeout is not None:
-        watch = hang.ProgressWatch(hang_timeout, lambda: hang.ranks_by_env(JOB_ENV, job))
-        envs = [dict(env, **hang.deepspeed_timeout_env(hang_timeout, env)) for env in envs]
+        watch = watcher.ProgressWatch(hang_timeout, lambda: watcher.ranks_of(processes_with_env(JOB_ENV, job)))
+        envs = [dict(env, **watcher.deepspeed_timeout_env(hang_timeout, env)) for env in envs]
         show = _noting_output(show, watch)
     tailer = _Tailer(str(log_dir), show)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -191,7 +192,7 @@ def supervise(name, commands, envs, log_dir, show, timeout=None, line_rank=None,
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(say("launch.timeout", name=name, timeout=timeout))
             # the stacks are read while the ranks still wait, before anything is stopped
-            if watch is not None and watch.stalled() and (report := hang.hang_report(watch, name)) is not None:
+            if watch is not None and watch.stalled() and (report := watcher.hang_report(watch, name)) is not None:
                 atomic_write_text(Path(log_dir) / "hang.txt", report + "\n")
                 raise LaunchError(f"{report}\n" + say("launch.hang_stopped", log_dir=log_dir))
             time.sleep(0.1)

@@ -1,2 +1,2 @@
-"""Training: the engine loop, gradient accumulation, supervised fine-tuning, the Hugging Face bridge, other tools' runs.
+"""Training: the engine loop, accumulation, supervised fine-tuning, the Hugging Face bridge, other frameworks' runs.
 May import: the foundation, dslab.launch, dslab.config, dslab.models, dslab.zero."""

@@ -1,11 +1,12 @@
-"""The run `dslab sft` would start, for the tools people train with afterwards: the Hugging Face Trainer (a train.py),
-ms-swift 4.6 (`swift sft`) and LLaMA-Factory 0.9.5 (`llamafactory-cli train` on a YAML).
+"""The run `dslab sft` would start, for the frameworks people train with afterwards: the Hugging Face Trainer (a
+train.py), ms-swift 4.6 (`swift sft`) and LLaMA-Factory 0.9.5 (`llamafactory-cli train` on a YAML).
 
 `render(target, plan)` turns a dslab.training.sft_plan plan into the text to print and the files its command needs (the data in
-the tool's own format, configs, the script), which `sft_plan.write` puts into OUTPUT-<tool>/. The printed commands run
-as pasted in the tool's venv (`make swift`, `make llamafactory`; dslab's .venv for hf): they need no dslab. What a tool
-has no setting for is a comment line, never an invented flag. tests/test_equivalents.py checks every flag against the
-tools' argument definitions; tests/test_tools_runs.py runs the printed commands for a few steps in the tools' venvs.
+the framework's own format, configs, the script), which `sft_plan.write` puts into OUTPUT-<framework>/. The printed
+commands run as pasted in the framework's venv (`make swift`, `make llamafactory`; dslab's .venv for hf): they need no
+dslab. What a framework has no setting for is a comment line, never an invented flag. tests/test_equivalents.py checks
+every flag against the frameworks' argument definitions; tests/test_frameworks_runs.py runs the printed commands for a
+few steps in the frameworks' venvs.
 """
 import json
 import math
@@ -14,8 +15,8 @@ import pprint
 import shlex
 
 from dslab import data
-from dslab.training import sft_plan, sft_settings, tool_data
-from dslab.launch import tools
+from dslab.training import framework_data, sft_plan, sft_settings
+from dslab.launch import frameworks
 from dslab.training.sft_plan import CHAT_STYLES, trainer_ds_config, work_dir
 
 TARGETS = ("hf", "swift", "llamafactory")
@@ -67,8 +68,8 @@ def global_batch(plan):
             f"{m * a * w} examples per optimizer step")
 
 
-def summary(plan, tool):
-    """Comment lines that say what `dslab sft` would run, and the steps `tool` (a Trainer) plans for it."""
+def summary(plan, framework):
+    """Comment lines that say what `dslab sft` would run, and the steps `framework` (a Trainer) plans for it."""
     p = plan
     what = "full fine-tuning" if p["full"] else (f"LoRA r={p['lora_r']} alpha={_num(p['lora_alpha'])} dropout "
                                                  f"{p['lora_dropout']} on {' '.join(p['target_modules'])}")
@@ -88,26 +89,28 @@ def summary(plan, tool):
          f"{p['betas'][0]}/{p['betas'][1]}, weight decay {p['weight_decay']}), {schedule}, clip {p['max_grad_norm']}"),
         (f"# data: {' '.join(_shown(f) for f in p['data'])} with {{name}}/{{author}} = {' / '.join(p['model_name'])}, "
          f"{' / '.join(p['model_author'])}; general dialogue mixed in: {mix}; max length {p['max_length']} tokens"),
-        (f"# {tool} plans {p['tool_steps']} steps, not {p['steps']}: its DataLoader keeps the last partial batch "
-         f"(ceil({p['n_examples']}/{p['micro_batch_size']}) = {per_rank} batches, dealt evenly to {p['world_size']} "
-         f"rank{'s' * (p['world_size'] != 1)}) where dslab drops it; warm-up {p['tool_warmup_steps']} steps"),
-        ("# The examples are the same; the order each tool draws them in is its own, so losses follow the same trend,"
-         " not the same values."),
+        (f"# {framework} plans {p['framework_steps']} steps, not {p['steps']}: its DataLoader keeps the last partial "
+         f"batch (ceil({p['n_examples']}/{p['micro_batch_size']}) = {per_rank} batches, dealt evenly to "
+         f"{p['world_size']} rank{'s' * (p['world_size'] != 1)}) where dslab drops it; warm-up "
+         f"{p['framework_warmup_steps']} steps"),
+        ("# The examples are the same; the order each framework draws them in is its own, so losses follow the same "
+         "trend, not the same values."),
     ] + ([f"# With {sft_settings.flag('deepspeed')}, dslab takes the ZeRO stage, batch sizes, precision and optimizer "
           "from that file:", f"# {', '.join(replaced)} and {last} are not used (nor here)."]
          if p["deepspeed_file"] else []))
 
 
-def _unmatched(plan, tool):
-    """Comment lines for dslab options that `tool` has no setting for."""
+def _unmatched(plan, framework):
+    """Comment lines for dslab options that `framework` has no setting for."""
     p, lines, flag = plan, [], sft_settings.flag
     if p["timeout"]:
-        lines.append(f"# {flag('timeout')} {p['timeout']}: {tool} has no overall time limit; stop the job yourself")
+        lines.append(f"# {flag('timeout')} {p['timeout']}: {framework} has no overall time limit; stop the job "
+                     "yourself")
     if p["resume"]:
         lines.append(f"# {flag('resume')} {p['resume']}: dslab's checkpoints are DeepSpeed ones in dslab's layout; "
-                     f"{tool} resumes only from its own (resume_from_checkpoint)")
+                     f"{framework} resumes only from its own (resume_from_checkpoint)")
     if p["checkpoint_dir"]:
-        lines.append(f"# {flag('checkpoint_dir')} {p['checkpoint_dir']}: {tool} writes checkpoints inside its "
+        lines.append(f"# {flag('checkpoint_dir')} {p['checkpoint_dir']}: {framework} writes checkpoints inside its "
                      "output_dir")
     return lines
 
@@ -126,9 +129,9 @@ def _schedule(plan):
 
 
 def _venv_line(plan, target):
-    """Where the printed lines run: the tool's venv and the folder the paths are relative to."""
-    folder, make = tools.VENVS[{"swift": "swift", "llamafactory": "llamafactory-cli"}[target]]
-    return [f"# In {target}'s venv (make {make}; source {tools.ROOT / folder}/bin/activate), from the folder the "
+    """Where the printed lines run: the framework's venv and the folder the paths are relative to."""
+    folder, make = frameworks.VENVS[{"swift": "swift", "llamafactory": "llamafactory-cli"}[target]]
+    return [f"# In {target}'s venv (make {make}; source {frameworks.ROOT / folder}/bin/activate), from the folder the "
             "paths are relative to:", f"cd {shlex.quote(plan['cwd'])}"]
 
 
@@ -146,12 +149,12 @@ def hf(plan):
               ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
               ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
     kwargs += [("lr_scheduler_kwargs", scheduler_kwargs)] if scheduler_kwargs else []
-    kwargs += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
+    kwargs += [("warmup_steps", p["framework_warmup_steps"]), ("weight_decay", p["weight_decay"]),
                ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
                ("max_grad_norm", p["max_grad_norm"]), ("bf16", p["precision"] == "bf16"),
                ("fp16", p["precision"] == "fp16"), ("gradient_checkpointing", p["gradient_checkpointing"])]
     kwargs += [("gradient_checkpointing_kwargs", {"use_reentrant": False})] if p["gradient_checkpointing"] else []
-    kwargs += [("seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
+    kwargs += [("seed", p["seed"]), ("logging_steps", p["framework_log_every"])]
     kwargs += ([("save_strategy", "steps"), ("save_steps", p["save_every"])] if p["save_every"]
                else [("save_strategy", "no")])
     kwargs += [("report_to", "none"), ("deepspeed", "ds_config")]
@@ -237,7 +240,7 @@ def swift(plan):
     parts = sft_plan.split_data(p)
     written, datasets = {}, []
     if parts["query_response"]:
-        rows = [r for path in parts["query_response"] for r in tool_data.swift_self_cognition_rows(path)]
+        rows = [r for path in parts["query_response"] for r in framework_data.swift_self_cognition_rows(path)]
         written["self-cognition/self_cognition.jsonl"] = _jsonl(rows)
         datasets.append(f"{wd}/self-cognition")
     if parts["chats"]:
@@ -263,14 +266,14 @@ def swift(plan):
               ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
               ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
     flags += [("lr_scheduler_kwargs", json.dumps(scheduler_kwargs))] if scheduler_kwargs else []
-    flags += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
+    flags += [("warmup_steps", p["framework_warmup_steps"]), ("weight_decay", p["weight_decay"]),
               ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
               ("max_grad_norm", p["max_grad_norm"]), ("torch_dtype", "float32"),
               ("bf16", p["precision"] == "bf16"), ("fp16", p["precision"] == "fp16")]
     flags += [("use_cpu", True)] if p["use_cpu"] else []
     flags += [("gradient_checkpointing", p["gradient_checkpointing"])]
     flags += [("gradient_checkpointing_kwargs", json.dumps({"use_reentrant": False}))] if p["gradient_checkpointing"] else []
-    flags += [("seed", p["seed"]), ("data_seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
+    flags += [("seed", p["seed"]), ("data_seed", p["seed"]), ("logging_steps", p["framework_log_every"])]
     flags += [("save_steps", p["save_every"])] if p["save_every"] else [("save_only_model", True)]
     flags += [("add_version", False), ("output_dir", f"{wd}/output")]
 
@@ -356,15 +359,16 @@ def llamafactory(plan):
     name, author = data.name_pair(p["model_name"]), data.name_pair(p["model_author"])
     written, info = {}, {}
     if parts["query_response"]:
-        rows = [r for path in parts["query_response"] for r in tool_data.llamafactory_identity_rows(name, author, path)]
+        rows = [r for path in parts["query_response"]
+                for r in framework_data.llamafactory_identity_rows(name, author, path)]
         written["identity.json"] = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
         info["identity"] = {"file_name": "identity.json"}  # alpaca columns: instruction, input, output
     if parts["chats"]:
         written["chats.jsonl"] = _jsonl({"messages": c["messages"]} for c in parts["chats"])
-        info["chats"] = {"file_name": "chats.jsonl", **tool_data.SHAREGPT_MESSAGES}
+        info["chats"] = {"file_name": "chats.jsonl", **framework_data.SHAREGPT_MESSAGES}
     if parts["general"]:
         written["general.jsonl"] = _jsonl(parts["general"])
-        info["general"] = {"file_name": "general.jsonl", **tool_data.SHAREGPT_MESSAGES}
+        info["general"] = {"file_name": "general.jsonl", **framework_data.SHAREGPT_MESSAGES}
     written["dataset_info.json"] = json.dumps(info, indent=1) + "\n"
     written["ds_config.json"] = json.dumps(trainer_ds_config(p["ds_config"]), indent=2, sort_keys=True) + "\n"
     keys = [("model_name_or_path", _shown(p["model"]))]
@@ -383,14 +387,14 @@ def llamafactory(plan):
              ("gradient_accumulation_steps", p["grad_accum_steps"]), ("num_train_epochs", p["epochs"]),
              ("learning_rate", p["lr"]), ("lr_scheduler_type", scheduler)]
     keys += [("lr_scheduler_kwargs", scheduler_kwargs)] if scheduler_kwargs else []
-    keys += [("warmup_steps", p["tool_warmup_steps"]), ("weight_decay", p["weight_decay"]),
+    keys += [("warmup_steps", p["framework_warmup_steps"]), ("weight_decay", p["weight_decay"]),
              ("adam_beta1", p["betas"][0]), ("adam_beta2", p["betas"][1]), ("adam_epsilon", p["eps"]),
              ("max_grad_norm", p["max_grad_norm"])]
     keys += [(p["precision"], True)] if p["precision"] != "fp32" else []
     keys += [("use_cpu", True)] if p["use_cpu"] else []
     # LLaMA-Factory checkpoints activations unless told not to; dslab only with --gradient-checkpointing
     keys += [("use_reentrant_gc", False)] if p["gradient_checkpointing"] else [("disable_gradient_checkpointing", True)]
-    keys += [("seed", p["seed"]), ("logging_steps", p["tool_log_every"])]
+    keys += [("seed", p["seed"]), ("logging_steps", p["framework_log_every"])]
     keys += [("save_steps", p["save_every"])] if p["save_every"] else [("save_strategy", "no")]
     keys += [("report_to", "none")]
     written["train.yaml"] = "".join(f"{key}: {_yaml_value(value)}\n" for key, value in keys)
@@ -446,17 +450,18 @@ def _yaml_value(value):
 
 # ---- reading a printed command back, to compare it with one typed by hand (chapter 14) ----------------------------
 
-def command_line(text, tool="swift"):
-    """The first `tool ...` command line in `text` (a printout, or a command as typed), continuation backslashes
-    joined: one line, as tools.run_tool takes it."""
+def command_line(text, framework="swift"):
+    """The first `framework ...` command line in `text` (a printout, or a command as typed), continuation backslashes
+    joined: one line, as frameworks.run_framework takes it."""
     lines = text.replace("\\\n", " ").splitlines()
-    return next(line for line in lines if f" {tool} " in f" {line} " and not line.lstrip().startswith("#")).strip()
+    return next(line for line in lines
+                if f" {framework} " in f" {line} " and not line.lstrip().startswith("#")).strip()
 
 
-def command_words(text, tool="swift"):
-    """{flag: [its words]} of the first `tool ...` command line in `text` (see command_line), split as a shell would
-    (tools.split_tool_command): each --flag takes the words up to the next --flag."""
-    _, argv = tools.split_tool_command(command_line(text, tool))
+def command_words(text, framework="swift"):
+    """{flag: [its words]} of the first `framework ...` command line in `text` (see command_line), split as a shell
+    would (frameworks.split_framework_command): each --flag takes the words up to the next --flag."""
+    _, argv = frameworks.split_framework_command(command_line(text, framework))
     flags, current = {}, None
     for word in argv[1:]:
         if word.startswith("--"):
@@ -466,9 +471,9 @@ def command_words(text, tool="swift"):
     return flags
 
 
-def command_flags(text, tool="swift"):
+def command_flags(text, framework="swift"):
     """{flag: value} of command_words, each flag's words joined by spaces ("" for none)."""
-    return {flag: " ".join(words) for flag, words in command_words(text, tool).items()}
+    return {flag: " ".join(words) for flag, words in command_words(text, framework).items()}
 
 
 def _same_value(a, b):
@@ -480,7 +485,7 @@ def _same_value(a, b):
 
 def flag_differences(typed, printed):
     """[(flag, value typed, value printed)] for every flag whose value differs between two {flag: value} (None where
-    one of them leaves the flag to the tool's default), in the printed command's order."""
+    one of them leaves the flag to the framework's default), in the printed command's order."""
     order = list(printed) + [flag for flag in typed if flag not in printed]
     return [(flag, typed.get(flag), printed.get(flag)) for flag in order
             if not (flag in typed and flag in printed and _same_value(typed[flag], printed[flag]))]

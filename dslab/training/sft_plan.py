@@ -1,8 +1,8 @@
-"""The run `dslab sft` would start, as plain values, and what another tool needs to run it (dslab.training.equivalents prints
-the commands): `describe` reads the data and any --deepspeed file (no weights, no ranks) into a plan; the HF Trainer's
-own step count for it (`trainer_steps`); which chat format the model's template writes (`chat_style`); the chats cut
-into the pieces the tools take them in (`split_data`); and `write`, which puts a tool's files into OUTPUT-<tool>/
-atomically and never replaces a file that dslab did not write there.
+"""The run `dslab sft` would start, as plain values, and what another framework needs to run it
+(dslab.training.equivalents prints the commands): `describe` reads the data and any --deepspeed file (no weights, no
+ranks) into a plan; the HF Trainer's own step count for it (`trainer_steps`); which chat format the model's template
+writes (`chat_style`); the chats cut into the pieces the frameworks take them in (`split_data`); and `write`, which
+puts a framework's files into OUTPUT-<framework>/ atomically and never replaces a file that dslab did not write there.
 """
 import copy
 import hashlib
@@ -20,7 +20,7 @@ from dslab.training import sft, sft_settings
 # The values TrainingArguments also holds: the Trainer fills "auto" from it and stops on a config that disagrees.
 TRAINER_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                   "gradient_clipping")
-MANIFEST = ".dslab-written.json"  # {file: sha256} of what --print-equivalent wrote into OUTPUT-<tool>/
+MANIFEST = ".dslab-written.json"  # {file: sha256} of what --print-equivalent wrote into OUTPUT-<framework>/
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 # The default system prompt each chat format adds when a chat has none (dslab-tiny's ChatML adds none).
 CHAT_STYLES = {"chatml": None, "qwen2": "You are a helpful assistant.", "qwen2.5": QWEN25_SYSTEM}
@@ -35,10 +35,11 @@ class EquivalentError(ValueError):
 def plan_from_args(args):
     """The run, as plain values, from `dslab sft`'s parsed arguments: an argparse Namespace (or anything alike) with an
     attribute for each setting of dslab.training.sft_settings."""
-    from dslab import env
+    from dslab import machine
 
     sft.check_settings(vars(args))
-    loading.check_model(args.model, weights=False)  # a missing folder fails; a hub id passes (the tool downloads it)
+    # a missing folder fails; a hub id passes (the framework downloads it)
+    loading.check_model(args.model, weights=False)
     data_files = [str(f) for f in (args.data or [sft.DEFAULT_DATA])]
     name, author = data.name_pair(args.model_name, "--model-name"), data.name_pair(args.model_author, "--model-author")
     n_examples = len(sft.load_chats(data_files, name, author, args.mix_general, args.seed))  # DataError if malformed
@@ -57,10 +58,10 @@ def plan_from_args(args):
     adam = ds_config.get("optimizer", {}).get("params", {})
     schedule = ds_config.get("scheduler", {}).get("params", {})
     model = loading.resolve_model(args.model)
-    tool_steps = trainer_steps(n_examples, world_size, micro, accum, epochs)
+    framework_steps = trainer_steps(n_examples, world_size, micro, accum, epochs)
     warmup = schedule.get("warmup_num_steps", 0)
     return {
-        "output": str(args.output), "model": model, "cwd": os.getcwd(), "use_cpu": not env.has_gpu(),
+        "output": str(args.output), "model": model, "cwd": os.getcwd(), "use_cpu": not machine.gpu_count(),
         "default_model": Path(model).resolve() == loading.DEFAULT_MODEL_DIR, "local_model": Path(model).is_dir(),
         "chat_style": chat_style(model), "architecture": architecture(model), "data": data_files,
         "model_name": list(args.model_name), "model_author": list(args.model_author), "mix_general": args.mix_general,
@@ -73,17 +74,19 @@ def plan_from_args(args):
         "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") != "none",
         "offload_param": zero.get("offload_param", {}).get("device", "none") != "none",
         "world_size": world_size, "micro_batch_size": micro, "grad_accum_steps": accum, "epochs": epochs,
-        "steps": steps, "tool_steps": tool_steps, "lr": adam.get("lr"), "betas": list(adam.get("betas", (0.9, 0.999))),
+        "steps": steps, "framework_steps": framework_steps, "lr": adam.get("lr"),
+        "betas": list(adam.get("betas", (0.9, 0.999))),
         "eps": adam.get("eps", 1e-8), "weight_decay": adam.get("weight_decay", 0.01),  # torch AdamW's defaults
         "scheduler": ds_config.get("scheduler", {}).get("type"), "warmup_steps": warmup,
-        # dslab warms up for 1/20 of its steps; the tools get the same share of theirs (a file's number stays)
-        "tool_warmup_steps": warmup if args.deepspeed else max(1, tool_steps // 20) if warmup else 0,
+        # dslab warms up for 1/20 of its steps; the frameworks get the same share of theirs (a file's number stays)
+        "framework_warmup_steps": warmup if args.deepspeed else max(1, framework_steps // 20) if warmup else 0,
         "min_lr_ratio": schedule.get("cos_min_ratio", 0.0),
         "max_grad_norm": ds_config.get("gradient_clipping", 1.0),  # DeepSpeed 0.19's default
         "precision": "bf16" if ds_config.get("bf16", {}).get("enabled") else
                      "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32",
         "gradient_checkpointing": args.gradient_checkpointing,
-        "log_every": args.log_every or max(1, steps // 8), "tool_log_every": args.log_every or max(1, tool_steps // 8),
+        "log_every": args.log_every or max(1, steps // 8),
+        "framework_log_every": args.log_every or max(1, framework_steps // 8),
         "save_every": args.save_every, "checkpoint_dir": args.checkpoint_dir, "resume": args.resume,
         "timeout": args.timeout,
     }
@@ -98,7 +101,8 @@ def trainer_steps(n_examples, world_size, micro_batch_size, grad_accum_steps, ep
 
 
 def work_dir(plan, target):
-    """OUTPUT-<target>: where --print-equivalent writes the files the printed command needs, and the tool its output."""
+    """OUTPUT-<target>: where --print-equivalent writes the files the printed command needs, and the framework its
+    output."""
     return f"{plan['output'].rstrip('/')}-{target}"
 
 
@@ -199,10 +203,10 @@ def architecture(model):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The data, in each tool's own format
+# The data, in each framework's own format
 # ----------------------------------------------------------------------------------------------------
 def split_data(plan):
-    """The chats dslab trains on, in the pieces the tools take them: {"query_response": [paths of files with only
+    """The chats dslab trains on, in the pieces the frameworks take them: {"query_response": [paths of files with only
     {"query", "response"} rows (self-cognition style, {name}/{author} left in)], "chats": [chats of the other files,
     names filled], "general": [the general dialogue rows dslab mixes in, in its order]}."""
     p = plan
@@ -228,8 +232,8 @@ def chat_rows(plan):
 
 
 def trainer_ds_config(ds_config):
-    """dslab's DeepSpeed config as a Trainer-based tool takes it: "auto" where TrainingArguments holds the value, and
-    no "scheduler" section (the Trainer then builds the schedule its lr_scheduler_type names, as for ms-swift's
+    """dslab's DeepSpeed config as a Trainer-based framework takes it: "auto" where TrainingArguments holds the value,
+    and no "scheduler" section (the Trainer then builds the schedule its lr_scheduler_type names, as for ms-swift's
     presets, which have none); the ZeRO section, the optimizer type and everything else stay as dslab runs them."""
     cfg = copy.deepcopy(ds_config)
     cfg.pop("scheduler", None)

@@ -126,7 +126,7 @@ def add_cli_options(parser):
 
 def add_recipe_arguments(parser, leave_out=()):
     """The settings the ranks get, as the recipe's arguments (--name_with_underscores), except `leave_out`. A list is
-    one JSON word: dslab.launch.recipe_argv writes it so, and it passes the deepspeed launcher's argv unchanged."""
+    one JSON word: dslab.launch.keyword_argv writes it so, and it passes the deepspeed launcher's argv unchanged."""
     for s in SETTINGS:
         if not s.on_ranks or s.recipe_name in leave_out:
             continue

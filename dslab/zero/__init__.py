@@ -1,2 +1,2 @@
-"""ZeRO memory: the paper's formulas (memory), the bytes a live engine holds, runs on ranks, optimizer states, widget.
+"""ZeRO memory: the paper's formulas, a live engine's bytes, runs on ranks, optimizer states, partitions, the widget.
 May import: the foundation, dslab.launch, dslab.config, dslab.models."""

@@ -9,7 +9,7 @@ moments). Three choices change K, each read here from the engine's own tensors:
 census(engine)          every optimizer-state tensor of this rank: which group, which state, dtype, elements, bytes
 muon_tags(engine)       the parameters DeepSpeed gave to Muon (p.use_muon), to compare with dslab.zero.memory's rule
 run_setups(setups)      on each rank: train under each ds_config, snapshot bytes (dslab.zero.engine_memory) and census
-measure(setups)         launch the memory_levers recipe on new ranks (dslab.launch) and return each rank's result
+measure(setups)         launch the memory_levers driver on new ranks (dslab.launch) and return each rank's result
 dslab.zero.memory holds the theory these measurements are compared with (optimizer_bytes, muon_momentum_elements).
 """
 import gc
@@ -154,10 +154,10 @@ def run_setups(setups, steps=2, seq_len=32, seed=0):
 
 
 def measure(setups, world_size=2, steps=2, timeout=600, stream=False, run_dir=None):
-    """Launch new ranks (the memory_levers recipe) that run each setup; one result dict per rank, rank order.
+    """Launch new ranks (the memory_levers driver) that run each setup; one result dict per rank, rank order.
 
     The setups (whole ds_configs) go to the ranks as a JSON file beside the run's folder, so the command line
-    stays one that a learner can read: `... --module dslab.recipes.memory_levers --setups runs/memory_levers.json`.
+    stays one that a learner can read: `... --module dslab.drivers.memory_levers --setups runs/memory_levers.json`.
     """
     from dslab import files, launch
 
@@ -169,7 +169,7 @@ def measure(setups, world_size=2, steps=2, timeout=600, stream=False, run_dir=No
 
 
 def load_setups(setups):
-    """The setups a recipe was given: a list, or the path of a JSON file holding one (see measure)."""
+    """The setups a driver was given: a list, or the path of a JSON file holding one (see measure)."""
     if isinstance(setups, str):
         return json.loads(Path(setups).read_text(encoding="utf-8"))
     return list(setups)

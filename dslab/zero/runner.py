@@ -1,10 +1,10 @@
 """ZeRO on running ranks: train a model a few steps under a ds_config and read what each rank holds.
 
-Rank side (called on every rank, by the zero_memory recipe or on live ranks with `ranks.apply`):
+Rank side (called on every rank, by the zero_memory driver or on live ranks with `ranks.apply`):
   run_engine(ds_config, ...) one engine: build the model, deepspeed.initialize, train, snapshot the bytes
   run_setups(setups, ...)  several setups one after another in the same ranks (chapter 04's sweep)
 Kernel side:
-  measure(zero_stage, ...)  one setup on new ranks (the zero_memory recipe) -> a dslab.zero.memory report
+  measure(zero_stage, ...)  one setup on new ranks (the zero_memory driver) -> a dslab.zero.memory report
   fit_params(...)           the largest model whose run fits a memory budget per rank
   measure_live(ranks, ...)  one setup on already-running ranks -> a dslab.zero.memory report with its ds_config
 """
@@ -142,7 +142,7 @@ def run_setups(setups, shape=None, model=None, steps=3, grad_accum_steps=2, micr
 
 def measure(zero_stage, world_size=2, offload_optimizer=False, offload_param=False, model=None, shape=None,
             steps=2, timeout=900, stream=None):
-    """Launch `world_size` new ranks running the zero_memory recipe; return the report (theory + measured).
+    """Launch `world_size` new ranks running the zero_memory driver; return the report (theory + measured).
 
     model: a local checkpoint directory; shape: tiny_config overrides (default: dslab-tiny's shape).
     stream: where the ranks' output goes (see dslab.launch.run). Raises ValueError for a setup that cannot be
@@ -253,7 +253,7 @@ TRY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, voc
 
 
 def try_config(ds_config, timeout=300):
-    """Train one optimizer step under ds_config on one fresh rank (the try_config recipe) -> what that rank held.
+    """Train one optimizer step under ds_config on one fresh rank (the try_config driver) -> what that rank held.
 
     Returns {"inner_optimizer", "memory", "zero_stage"}; raises RuntimeError with the rank's last error line
     if DeepSpeed refuses the config or the run fails. The batch is resized for one rank (train_batch_size out).
@@ -287,7 +287,7 @@ def try_config(ds_config, timeout=300):
 
 
 def try_step(ds_config):
-    """On this rank (the try_config recipe): the tiny TRY_SHAPE model, one optimizer step, then what it holds."""
+    """On this rank (the try_config driver): the tiny TRY_SHAPE model, one optimizer step, then what it holds."""
     import deepspeed
     import torch
 

@@ -4,7 +4,7 @@ accounts made for the test, each learner's server started through the hub's REST
 each through the server's websocket.
 
 In each learner's kernel: the kit's venv runs it, as the learner; dslab reads the CPU quota of the learner's cgroup
-(dslab.launch.machine.cpu_cores, dslab.env.cpu_info) and the memory limit is set; the course was copied into the
+(dslab.machine.cpu_cores, dslab.machine.cpu_info) and the memory limit is set; the course was copied into the
 learner's home on their first start; an exercise check writes the verdict into their own ~/.dslab; they can write
 neither into the kit nor into the other learner's home; a Chinese chapter's kernel starts next to the English ones.
 Then the servers are stopped, the hub too, the accounts removed, and nothing may be left: no process of the learners,
@@ -67,9 +67,8 @@ c.DslabSpawner.cgroup_parent = {cgroup_parent!r}
 CHECK = r"""
 import getpass, json, os, runpy, sys
 from pathlib import Path
-from dslab import env, exercises
+from dslab import exercises, machine
 from dslab.exercises import progress
-from dslab.launch import machine
 
 kit, other_home = Path({kit!r}), Path({other_home!r})
 home = Path.home()
@@ -107,7 +106,7 @@ checks = [exercises.check("01.ring_gb", 14.0), exercises.check("01.ring_gb", sol
 chapter = home / "dslab" / "notebooks" / "01_distributed_basics.ipynb"
 report = {{
     "user": getpass.getuser(), "hub_user": os.environ.get("JUPYTERHUB_USER"), "home": str(home), "cwd": os.getcwd(),
-    "prefix": sys.prefix, "cores": machine.cpu_cores(), "env_cpu": env.cpu_info()["cpu_quota"],
+    "prefix": sys.prefix, "cores": machine.cpu_cores(), "env_cpu": machine.cpu_info()["cpu_quota"],
     "memory_limit": memory_limit(), "cgroup": Path("/proc/self/cgroup").read_text(),
     "copy": {{"chapter": chapter.is_file(), "mine": chapter.is_file() and chapter.stat().st_uid == os.getuid(),
               "venv": os.readlink(home / "dslab" / ".venv") if (home / "dslab" / ".venv").is_symlink() else None}},

@@ -1,10 +1,10 @@
-"""Each `dslab sft --print-equivalent` output, run as printed in its tool's venv for a few steps: ms-swift in
+"""Each `dslab sft --print-equivalent` output, run as printed in its framework's venv for a few steps: ms-swift in
 .venv-swift, LLaMA-Factory in .venv-llamafactory (`make swift`, `make llamafactory`; a test skips with the reason when
 its venv is not built), the Hugging Face script in dslab's own venv. The printed text runs through bash with the
 venv's bin first on PATH, as a learner pastes it after `source VENV/bin/activate`; the one change is an epoch
-fraction appended to the command (the tools take the last value of a repeated option), so that each run is 3
-optimizer steps. Then what the tools wrote is checked against what the printout said: the rank count, the LoRA
-settings, the names in the training rows, the step count. `make test-tools` runs this file.
+fraction appended to the command (the frameworks take the last value of a repeated option), so that each run is 3
+optimizer steps. Then what the frameworks wrote is checked against what the printout said: the rank count, the LoRA
+settings, the names in the training rows, the step count. `make test-frameworks` runs this file.
 """
 import contextlib
 import io
@@ -21,9 +21,9 @@ import pytest
 
 from dslab.training import sft, sft_plan
 from dslab.cli import build_parser, main
-from dslab.launch import tools
+from dslab.launch import frameworks
 
-pytestmark = pytest.mark.multirank  # each test starts 2 ranks of a training tool
+pytestmark = pytest.mark.multirank  # each test starts 2 ranks of a training framework
 
 ROOT = Path(__file__).resolve().parent.parent
 # A fraction of an epoch that makes the Trainer's count and dslab's differ: the Trainer plans ceil(0.14 x 15) = 3
@@ -60,7 +60,7 @@ def run_pasted(script, bin_dir, log, timeout=TIMEOUT):
 
 def expected_steps(plan):
     """The Trainer's plan for EPOCHS of the run, and dslab's count for the same fraction (they must differ)."""
-    per_epoch = plan["tool_steps"] / plan["epochs"]
+    per_epoch = plan["framework_steps"] / plan["epochs"]
     return math.ceil(EPOCHS * per_epoch), math.ceil(EPOCHS * plan["steps"] / plan["epochs"])
 
 
@@ -80,24 +80,25 @@ def adapter_numel(path):
     return sum(t.numel() for t in tensors.values())
 
 
-@pytest.mark.parametrize("command", tools.VENVS)
-def test_trainer_defaults_are_read_in_the_tools_venv(command):
-    if not tools.built(command):
-        pytest.skip(tools.not_built_note(command))
-    # transformers' TrainingArguments, at the tool's own pin: what a run uses where its command or YAML says nothing
-    assert tools.trainer_defaults(command, ["adam_beta1", "adam_beta2", "weight_decay", "lr_scheduler_type"]) == {
+@pytest.mark.parametrize("command", frameworks.VENVS)
+def test_trainer_defaults_are_read_in_the_frameworks_venv(command):
+    if not frameworks.built(command):
+        pytest.skip(frameworks.not_built_note(command))
+    # transformers' TrainingArguments, at the framework's own pin: what a run uses where its command or YAML says
+    # nothing
+    assert frameworks.trainer_defaults(command, ["adam_beta1", "adam_beta2", "weight_decay", "lr_scheduler_type"]) == {
         "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_scheduler_type": "linear"}
 
 
 def test_swift_command_runs_as_printed(tmp_path, monkeypatch):
-    if not tools.built("swift"):
+    if not frameworks.built("swift"):
         pytest.skip("ms-swift's venv is not built: make swift")
     monkeypatch.chdir(ROOT)
     text, plan = printed(tmp_path, "swift")
     steps, dslab_steps = expected_steps(plan)
     assert steps == 3 and dslab_steps == 2
     script = text.rstrip("\n") + f" --num_train_epochs {EPOCHS} --logging_steps 1\n"
-    run_pasted(script, tools.venv_bin("swift"), tmp_path / "swift.log")
+    run_pasted(script, frameworks.venv_bin("swift"), tmp_path / "swift.log")
     log = (tmp_path / "swift.log").read_text(encoding="utf-8", errors="replace")
     out = tmp_path / "run-swift" / "output"  # --add_version false: no vN-timestamp folder
     assert "world_size: 2" in log  # NPROC_PER_NODE=2 started 2 ranks
@@ -133,13 +134,13 @@ print(json.dumps([row["messages"] for row in train]))
 def test_swift_fills_the_names_into_the_printed_self_cognition_folder(tmp_path, monkeypatch):
     """swift's own dataset loader, on the --dataset paths as printed: every training row has its names filled, the
     Chinese name in Chinese rows and the English one in English rows, and the rows are the chats dslab trains on."""
-    if not tools.built("swift"):
+    if not frameworks.built("swift"):
         pytest.skip("ms-swift's venv is not built: make swift")
     monkeypatch.chdir(ROOT)
     text, plan = printed(tmp_path, "swift", "--model-name", "星云", "Nebula", "--model-author", "山海社", "Shanhai Club")
     flags = re.search(r"--dataset (.*?) \\\n", text).group(1).split()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(tools.venv_bin("swift") / "python"), "-c", SWIFT_ROWS,
+    done = subprocess.run([str(frameworks.venv_bin("swift") / "python"), "-c", SWIFT_ROWS,
                            json.dumps([flags, ["星云", "Nebula"], ["山海社", "Shanhai Club"]])],
                           capture_output=True, text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -152,7 +153,7 @@ def test_swift_fills_the_names_into_the_printed_self_cognition_folder(tmp_path, 
 
 
 def test_llamafactory_yaml_runs_as_printed(tmp_path, monkeypatch):
-    if not tools.built("llamafactory-cli"):
+    if not frameworks.built("llamafactory-cli"):
         pytest.skip("LLaMA-Factory's venv is not built: make llamafactory")
     monkeypatch.chdir(ROOT)
     (tmp_path / "run").mkdir()
@@ -160,7 +161,7 @@ def test_llamafactory_yaml_runs_as_printed(tmp_path, monkeypatch):
     text, plan = printed(tmp_path, "llamafactory")
     steps, _ = expected_steps(plan)
     script = text.rstrip("\n") + f" num_train_epochs={EPOCHS} logging_steps=1\n"  # OmegaConf overrides after the YAML
-    run_pasted(script, tools.venv_bin("llamafactory-cli"), tmp_path / "llamafactory.log")
+    run_pasted(script, frameworks.venv_bin("llamafactory-cli"), tmp_path / "llamafactory.log")
     log = (tmp_path / "llamafactory.log").read_text(encoding="utf-8", errors="replace")
     out = tmp_path / "run-llamafactory" / "output"
     assert "world size: 2" in log and "Num examples = 236" in log
@@ -179,7 +180,7 @@ def test_llamafactory_yaml_runs_as_printed(tmp_path, monkeypatch):
     assert "{{name}}" not in both and "小海" in both and "Xiao Hai" in both  # filled per language: LF has no flag
     assert (tmp_path / "run" / "adapter_model.safetensors").read_bytes() == b"dslab's adapter"
     # Run again as printed: overwrite_output_dir lets it start over in its own folder
-    run_pasted(script, tools.venv_bin("llamafactory-cli"), tmp_path / "llamafactory-again.log")
+    run_pasted(script, frameworks.venv_bin("llamafactory-cli"), tmp_path / "llamafactory-again.log")
 
 
 def test_hf_script_runs_as_printed_under_zero3(tmp_path, monkeypatch):
@@ -193,7 +194,7 @@ def test_hf_script_runs_as_printed_under_zero3(tmp_path, monkeypatch):
     command = re.search(r"^# peft and deepspeed\): (deepspeed --num_gpus 2 \S+/train\.py)", text, re.MULTILINE).group(1)
     short = script.with_name("train_short.py")  # beside train.jsonl, which the script reads
     short.write_text(text.replace("num_train_epochs=12,", f"num_train_epochs={EPOCHS},")
-                     .replace(f"logging_steps={plan['tool_log_every']},", "logging_steps=1,"))
+                     .replace(f"logging_steps={plan['framework_log_every']},", "logging_steps=1,"))
     run_pasted(command.replace("train.py", "train_short.py"), Path(sys.executable).parent, tmp_path / "hf.log")
     log = (tmp_path / "hf.log").read_text(encoding="utf-8", errors="replace")
     assert len(re.findall(r"\{'loss': ", log)) == steps  # rank 0 logs each of the Trainer's steps

@@ -1,8 +1,9 @@
-"""The ds_config settings and the step that change which collectives ZeRO runs, read from DeepSpeed 0.19.8's source.
+"""How ZeRO-1/2 splits the flat parameter buffer among the ranks and reduces each bucket of gradients, read from
+DeepSpeed 0.19.8's source.
 
-dslab.comm.step_bytes.deepspeed_collectives asks this module two things:
-
-  bucket_reductions(...)  how ZeRO-1/2 reduces one bucket of gradients (stage_1_and_2.py, average_tensor):
+partition_size(...)       the elements of the flat buffer each rank owns (padded to a multiple of 2N, split in N)
+destination_slices(...)   the elements of one reduce bucket that each rank owns, in the order DeepSpeed meets them
+bucket_reductions(...)    how ZeRO-1/2 reduces one bucket (stage_1_and_2.py, average_tensor), as the ds_config says:
       "reduce_scatter": false            one all-reduce of the bucket (gradient_reduction_w_predivide)
       "use_multi_rank_bucket_allreduce": true (the default)
                                          one all-reduce of the bucket too (allreduce_and_scatter): every rank
@@ -10,20 +11,9 @@ dslab.comm.step_bytes.deepspeed_collectives asks this module two things:
       "use_multi_rank_bucket_allreduce": false
                                          one reduce per rank that owns part of the bucket, to that rank only
                                          (allreduce_no_retain with rank=dst): the paper's reduce-scatter, in N pieces
-  first_step_fetches(...)   what ZeRO-3 gathers in the first step after deepspeed.initialize
-      (partitioned_param_coordinator.py): no module order is recorded yet, so nothing is prefetched and every
-      module's parameters are released right after it runs: each module gathers its own in forward and again in
-      backward. Before that, the forward's first hook (reset_step) checks that every rank recorded the same
-      module order, still empty: TRACE_CHECK. From the second step on the order is known (dslab.comm.zero3_fetch).
+dslab.comm.step_bytes.deepspeed_collectives turns these into the collectives of one step.
 """
 import itertools
-
-from dslab.comm import zero3_fetch
-
-# reset_step -> assert_ints_same_as_other_ranks(order): broadcasts the list's length (one int64) from rank 0, then
-# the list itself, which in the first step is empty: (what, elements, dtype) as the comms logger records them.
-TRACE_CHECK = (("the recorded module order's length (still 0)", 1, "int64"),
-               ("the recorded module order (still empty)", 0, "int64"))
 
 
 def partition_size(params, world_size):
@@ -53,9 +43,3 @@ def bucket_reductions(bucket, numels, world_size, zero):
     if not zero["reduce_scatter"] or zero["use_multi_rank_bucket_allreduce"]:
         return [("all_reduce", sum(numels[i] for i in bucket), None)]
     return [("reduce", elements, rank) for rank, elements in destination_slices(bucket, numels, world_size)]
-
-
-def first_step_fetches(trace, keep=()):
-    """ZeRO-3's parameter all-gathers in the first step: one per module, in forward and again in backward (lists of
-    parameter indexes; keep: the persistent ones, never gathered)."""
-    return zero3_fetch.fetch_calls(trace, prefetch_bucket_size=0, max_reuse_distance=0, keep=keep)

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from dslab.launch.guard import processes_with_env
-from dslab.launch.machine import tool
+from dslab.machine import tool
 from dslab.messages import say
 
 BUSY_FRACTION = 0.05      # of one core, averaged over the window: 20x what a waiting rank used here
@@ -120,11 +119,12 @@ class ProgressWatch:
         return all(seconds < self.busy_fraction * (now - start) for seconds in self.window_cpu.values())
 
 
-def ranks_by_env(name, value):
-    """{rank: [processes]} of the job whose processes carry name=value: those with a RANK variable, the rank's own
-    process first (its children, such as data loader workers or a compiler, inherit RANK and count as the rank's)."""
+def ranks_of(processes):
+    """{rank: [processes]} of a job's processes (dslab.launch.guard.processes_with_env finds them by its marker): those
+    with a RANK variable, the rank's own process first (its children, such as data loader workers or a compiler,
+    inherit RANK and count as the rank's)."""
     rank_of = {}
-    for proc in processes_with_env(name, value):
+    for proc in processes:
         try:
             rank = proc.environ().get("RANK", "")
         except psutil.Error:

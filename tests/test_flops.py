@@ -1,8 +1,8 @@
-"""MFU arithmetic (dslab.precision.mfu): the forward FLOPs equal what DeepSpeed's flops profiler counts, the rule of thumb's gap
+"""MFU arithmetic (dslab.flops): the forward FLOPs equal what DeepSpeed's flops profiler counts, the rule of thumb's gap
 is exactly the terms it names, and the profiler's report is read back. Nothing here starts a rank."""
 import pytest
 
-from dslab.precision import mfu
+from dslab import flops
 from dslab.models.loading import tiny_config
 
 SHAPES = [  # (config overrides, batch, seq): tied and untied heads, grouped-query attention, a set head_dim
@@ -30,7 +30,7 @@ def test_forward_flops_is_what_deepspeeds_profiler_counts(overrides, batch, seq)
         model(input_ids=tokens)
     counted, macs = profiler.get_total_flops(), profiler.get_total_macs()
     profiler.end_profile()
-    terms = mfu.forward_flops(config, batch, seq)
+    terms = flops.forward_flops(config, batch, seq)
     assert terms["total"] == counted
     assert counted == 2 * macs + terms["SiLU"]  # MACs are the matmuls; SiLU is one FLOP per element
     assert sum(v for k, v in terms.items() if k != "total") == terms["total"]
@@ -42,18 +42,18 @@ def test_rule_of_thumb_differs_by_exactly_the_named_terms(overrides, batch, seq)
 
     config = tiny_config(**overrides)
     psi = qwen2_params(config)
-    gap = mfu.rule_of_thumb_gap(psi, config, batch, seq)
-    assert gap["rule"] == 2 * psi * batch * seq + mfu.attention_flops(config, batch, seq)
+    gap = flops.rule_of_thumb_gap(psi, config, batch, seq)
+    assert gap["rule"] == 2 * psi * batch * seq + flops.attention_flops(config, batch, seq)
     assert gap["rule"] - gap["profiler"] == gap["not multiplied"] - gap["SiLU"]
     if not config.tie_word_embeddings:  # the untied input embedding is a lookup: the rule overcounts it
         assert gap["not multiplied"] >= 2 * batch * seq * config.hidden_size * config.vocab_size
 
 
 def test_dslab_tiny_numbers():
-    terms = mfu.forward_flops(tiny_config(), 4, 128)
+    terms = flops.forward_flops(tiny_config(), 4, 128)
     assert terms["total"] == 5_923_766_272 and 0.45 < terms["output head"] / terms["total"] < 0.46
-    assert mfu.mfu(terms["total"], 1.0, 3 * terms["total"] / 1e9) == pytest.approx(1.0)  # ceiling = achieved: 100 %
-    assert mfu.mfu(terms["total"], 2.0, 3 * terms["total"] / 1e9) == pytest.approx(0.5)
+    assert flops.mfu(terms["total"], 1.0, 3 * terms["total"] / 1e9) == pytest.approx(1.0)  # ceiling = achieved: 100 %
+    assert flops.mfu(terms["total"], 2.0, 3 * terms["total"] / 1e9) == pytest.approx(0.5)
 
 
 REPORT = """
@@ -73,12 +73,12 @@ samples/second:                                                         23.45
 def test_profile_report_is_read_back(tmp_path):
     path = tmp_path / "profile.txt"
     path.write_text(REPORT)
-    assert mfu.profile_summary(path)[0] == "world size:  1"
-    assert mfu.profile_latencies(path) == pytest.approx({"fwd": 0.04854, "bwd": 0.09696, "step": 0.02509,
-                                                         "iter": 1.7})
+    assert flops.profile_summary(path)[0] == "world size:  1"
+    assert flops.profile_latencies(path) == pytest.approx({"fwd": 0.04854, "bwd": 0.09696, "step": 0.02509,
+                                                           "iter": 1.7})
     path.write_text(REPORT.replace("bwd latency", "xx").replace("step latency", "yy"))
     with pytest.raises(ValueError, match="wall_clock_breakdown"):
-        mfu.profile_latencies(path)
+        flops.profile_latencies(path)
 
 
 def test_ceiling_reuses_chapter_02s_measurement(monkeypatch):
@@ -88,5 +88,5 @@ def test_ceiling_reuses_chapter_02s_measurement(monkeypatch):
         seen.update(name=name, n=n, repeats=repeats, threads=threads)
         return 123.0
 
-    monkeypatch.setattr(mfu.formats, "matmul_gflops", fake)
-    assert mfu.ceiling("bf16", 1) == 123.0 and seen == {"name": "bf16", "n": mfu.CEILING_N, "repeats": 3, "threads": 1}
+    monkeypatch.setattr(flops.formats, "matmul_gflops", fake)
+    assert flops.ceiling("bf16", 1) == 123.0 and seen == {"name": "bf16", "n": flops.CEILING_N, "repeats": 3, "threads": 1}

@@ -1,4 +1,4 @@
-"""Commands that set up and size a run: `dslab env`, `prepare`, `config check|new`, `estimate`, `measure`, `comm`.
+"""The checks before a run: `dslab env`, `prepare`, `config check|new`, `estimate`, `measure`, `comm`.
 
 The work is done by dslab.env, dslab.config.build / dslab.config.check, dslab.zero.memory and dslab.zero.runner; this
 file parses the arguments, calls them and prints. Each command returns its exit status.

@@ -1,18 +1,28 @@
-"""What this machine offers a job: the cores it may really use, free ports, GPUs, this environment's tools, and the
-/dev/shm buffers that finished jobs leave behind."""
-import glob
+"""This machine's facts, one function each: the cores a process may really use (affinity, the cgroup's CPU quota)
+and the threads each rank gets, the GPUs, the CPU (model, bf16/fp16 flags, oneDNN's cap), memory, the course
+packages' versions, this environment's tools and build tools, and where torch caches JIT-built ops.
+
+Nothing here imports DeepSpeed (dslab.env asks it what it makes of these facts), nor another dslab module."""
 import math
 import os
-import random
-import re
+import platform
 import shutil
-import socket
+import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
-# DeepSpeed's CPU backend maps a ~70 MB file per rank in /dev/shm, named after the master port and the rank, and
-# never unlinks it.
-SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
+# CPU flags that make bf16 fast on x86 (AVX-512 BF16 instructions, AMX tiles).
+BF16_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# CPU flags of native fp16 arithmetic (recent Xeons): where oneDNN has them, DeepSpeed's CPU accelerator allows fp16.
+FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
+# oneDNN runs torch's bf16 matmuls on the best instruction set it finds; ONEDNN_MAX_CPU_ISA caps it. Its values, lowest
+# first (aliases share a rank): below AVX512_CORE_BF16, bf16 matmuls run without bf16 instructions (plain AVX-512, or
+# emulated at AVX2 and below), slower and with other rounding, whatever the CPU's flags say.
+ONEDNN_ISAS = {"SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5,
+               "AVX512_CORE_VNNI": 6, "AVX512_CORE_BF16": 7, "AVX10_1_512": 8, "AVX512_CORE_FP16": 8,
+               "AVX10_1_512_AMX": 9, "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX_FP16": 10, "AVX512_CORE_AMX_FP16": 10}
 
 
 # --------------------------------------------------------------------------- cores
@@ -119,58 +129,11 @@ def usable_cores():
 
 def threads_per_rank(ranks):
     """CPU threads each of `ranks` processes sharing this machine may use: the usable cores shared out among them.
-    Every place that starts ranks (live ranks, the launchers, the tools' runs) sets OMP_NUM_THREADS from this."""
+    Every place that starts ranks (live ranks, the launchers, the frameworks' runs) sets OMP_NUM_THREADS from this."""
     return max(1, usable_cores() // max(1, ranks))
 
 
-# --------------------------------------------------------------------------- ports, GPUs
-
-def port_is_free(port, host="127.0.0.1"):
-    """True if nothing listens on host:port (the rendezvous store needs it). A port whose job has just ended is free:
-    its closed connections linger in TIME_WAIT for a minute, which SO_REUSEADDR lets a new listener (torch's store
-    sets it too) bind over, and which once kept a finished job's buffers in /dev/shm as if the job still ran."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-LOWEST_CHOSEN_PORT = 20000
-
-
-def ephemeral_ports(path=EPHEMERAL_RANGE_FILE):
-    """(first, last): the ports the kernel hands to outgoing connections (Linux's default 32768-60999)."""
-    try:
-        first, last = Path(path).read_text().split()
-        return int(first), int(last)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port(preferred=None, rng=None):
-    """`preferred` if it is free, else a free port below the kernel's ephemeral range, drawn at random.
-
-    Not one the kernel picks (bind to port 0): that comes from the ephemeral range, and the kernel may give it to any
-    outgoing connection before the rendezvous store binds it, which for live ranks is minutes later (seen in CI: the
-    store's listen failed with EADDRINUSE). Drawn at random so that jobs started together do not draw alike.
-    """
-    if preferred and port_is_free(preferred):
-        return preferred
-    first, _ = ephemeral_ports()
-    rng = rng or random.SystemRandom()
-    if first - LOWEST_CHOSEN_PORT >= 1000:
-        for _ in range(100):
-            port = rng.randrange(LOWEST_CHOSEN_PORT, first)
-            if port_is_free(port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # a machine with its ephemeral range set low
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+# --------------------------------------------------------------------------- GPUs
 
 def gpu_count():
     """CUDA devices this process can see (0 without torch or without GPUs)."""
@@ -182,31 +145,84 @@ def gpu_count():
         return 0
 
 
-def _unlink(path):
+def gpu_info():
+    """Each GPU torch sees (name, memory), and `nvidia-smi topo -m` (how the GPUs are connected)."""
+    import torch
+
+    if not gpu_count():
+        return {"gpus": [], "topology": None}
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                     "compute_capability": f"{props.major}.{props.minor}"})
+    topology = None
+    if shutil.which("nvidia-smi"):
+        try:
+            run = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+            topology = run.stdout.rstrip() if run.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            topology = None
+    return {"gpus": gpus, "topology": topology}
+
+
+# --------------------------------------------------------------------------- the CPU, memory
+
+def onednn_cap():
+    """oneDNN's instruction-set cap from the environment (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA), or
+    None where nothing caps it."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return cap if cap and cap not in ("ALL", "DEFAULT") else None
+
+
+def bf16_native(flags, cap):
+    """True where bf16 matmuls run with bf16 instructions: the CPU has AVX512-BF16 or AMX-BF16 and no oneDNN cap
+    (`cap`, onednn_cap()) below AVX512_CORE_BF16 takes them away. Ask this, not the flags, before expecting speed."""
+    if not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
+        return False
+    return cap is None or ONEDNN_ISAS.get(cap, len(ONEDNN_ISAS)) >= ONEDNN_ISAS["AVX512_CORE_BF16"]
+
+
+def cpu_info():
+    """Usable cores (affinity or the cgroup's CPU quota, the fewer: cpu_cores), model name, the
+    bf16/fp16-related flags from /proc/cpuinfo, oneDNN's cap and whether bf16 matmuls run natively under it."""
+    cores = cpu_cores()
+    model, flags = None, set()
     try:
-        os.unlink(path)
-    except OSError:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux
         pass
+    model = model or platform.processor() or None
+    known, cap = {flag: flag in flags for flag in BF16_CPU_FLAGS + FP16_CPU_FLAGS}, onednn_cap()
+    return {"cores_usable": cores["usable"], "cores_total": os.cpu_count(), "cores_affinity": cores["affinity"],
+            "cpu_quota": cores["quota"], "cores_quota": cores["quota_cores"], "cores_limited_by": cores["limited_by"],
+            "model": model, "flags": known, "onednn_cap": cap, "bf16_native": bf16_native(known, cap)}
 
 
-def remove_stale_shm_buffers():
-    """Delete the shared-memory all-reduce buffers that finished jobs left in /dev/shm.
+def memory_info():
+    """Total and available RAM in GiB (one decimal)."""
+    import psutil
 
-    A day of runs would otherwise fill /dev/shm (RAM) until jobs die. A buffer whose port nobody listens on any
-    more belongs to a job that has ended (the rendezvous store holds the port while a job runs), so it is safe
-    to remove.
-    """
-    for path in glob.glob(SHM_BUFFER_PREFIX + "*"):
-        match = re.search(r"_(\d+)_\d+$", path)
-        if match and port_is_free(int(match.group(1))):
-            _unlink(path)
+    vm = psutil.virtual_memory()
+    return {"total_gib": round(vm.total / 2**30, 1), "available_gib": round(vm.available / 2**30, 1)}
 
 
-def remove_shm_buffers(master_port):
-    """Delete the buffers of the job that met on `master_port` (its ranks are gone), then any other stale ones."""
-    for path in glob.glob(f"{SHM_BUFFER_PREFIX}*_{master_port}_*"):
-        _unlink(path)
-    remove_stale_shm_buffers()
+# --------------------------------------------------------------------------- software
+
+def versions():
+    """Installed version of each course package (None when missing), and Python's."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 # This environment's scripts (deepspeed, torchrun, dslab) sit beside its interpreter: the ranks they start use the
@@ -243,3 +259,36 @@ def ensure_build_tools_on_path():
             os.environ["PATH"] = os.pathsep.join([str(folder), *rest])
             return str(folder / "ninja")
     return shutil.which("ninja")
+
+
+def build_tools():
+    """Paths of ninja, the C++ compiler torch uses ($CXX or c++), g++ and numactl (None when absent)."""
+    ninja = ensure_build_tools_on_path()  # also puts pip's ninja on PATH, as DeepSpeed needs
+    cxx = os.environ.get("CXX", "c++")
+    return {"ninja": ninja, "c++": shutil.which(cxx), "g++": shutil.which("g++"), "numactl": shutil.which("numactl")}
+
+
+def missing_build_tools(tools=None):
+    """Names of the tools a JIT op build needs that are missing (ninja, c++)."""
+    tools = tools or build_tools()
+    return [name for name in ("ninja", "c++") if not tools[name]]
+
+
+def extensions_dir():
+    """Where torch caches JIT-built ops: $TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu (say).
+
+    The same rule as torch.utils.cpp_extension, without creating the folder.
+    """
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"

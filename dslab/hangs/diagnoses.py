@@ -8,7 +8,7 @@ line, each in its own words; the functions here read those words so that a noteb
 - TORCH_DISTRIBUTED_DEBUG=DETAIL: "Rank N is running collective: CollectiveFingerPrint(SequenceNumber=S,
   OpType=OP, TensorShape=[...], ...)" (`fingerprints`);
 - dslab's hang watch (py-spy): "rank N (pid P): blocked in COLLECTIVE (...), called from FILE:LINE (FUNCTION)"
-  (`blocked`, reading what dslab.launch.hang.where_blocked writes).
+  (`blocked`, reading what dslab.hangs.watcher.where_blocked writes).
 
 `flight_recorder_kept` shows what torch's flight recorder keeps under a given TORCH_FR_BUFFER_SIZE, in a new process.
 """
@@ -20,9 +20,9 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from dslab.launch import hang
-from dslab.launch.supervise import TORCH_PREFIX
+from dslab.hangs import watcher
 
+TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes an uncaught traceback's lines itself
 # `  File "/path/to/train.py", line 21, in <module>`: one frame of a Python traceback
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.MULTILINE)
 # the exception that ended the rank, e.g. `RuntimeError: [...] Timed out waiting 8000ms for recv operation ...`
@@ -60,8 +60,8 @@ def traceback_summary(log_text):
     tail = text[start:]
     frames = [{"filename": path, "line": int(line), "name": name} for path, line, name in _FRAME.findall(tail)]
     errors = _EXCEPTION.findall(tail)
-    own = [f for f in frames if hang.is_user_frame(f)]
-    collective = next((c for c in map(hang.collective_of, reversed(frames)) if c), None)
+    own = [f for f in frames if watcher.is_user_frame(f)]
+    collective = next((c for c in map(watcher.collective_of, reversed(frames)) if c), None)
     return {"error": errors[-1] if errors else None, "collective": collective,
             "file": Path(own[-1]["filename"]).name if own else None,
             "line": own[-1]["line"] if own else None, "function": own[-1]["name"] if own else None}
@@ -95,7 +95,7 @@ def fingerprints(text):
 
 def blocked(report):
     """{rank: {"collective", "where", "file", "line", "function"}} for every rank that a hang report
-    (dslab.launch.hang.hang_report) shows blocked in a collective; file/line/function: the job's own call."""
+    (dslab.hangs.watcher.hang_report) shows blocked in a collective; file/line/function: the job's own call."""
     found = {}
     for rank, collective, where, file, line, function in _BLOCKED.findall(report):
         found[int(rank)] = {"collective": collective, "where": where, "file": file or None,
