@@ -64,7 +64,7 @@ WAITING        := tests/test_faults.py tests/test_hang.py tests/test_live.py
 TRAINING       := tests/test_takeaway.py tests/test_models.py tests/test_architectures.py
 
 test: setup
-	@echo "four lanes side by side (about 24 minutes on 2 cores with setup); each lane's output comes when it ends"
+	@echo "four lanes side by side (about 23 minutes on 2 cores with setup); each lane's output comes when it ends"
 	$(MAKE) --no-print-directory -j4 --output-sync=target test-unit-lane test-notebooks-00-07-lane test-notebooks-08-14-lane \
 		test-browser-exercises-lane
 
@@ -198,8 +198,8 @@ endif
 	$(call build-shm-op,$(LF_VENV))
 	touch $@
 
-# Chapter 14 and the --print-equivalent runs, with both frameworks' venvs built (about 3 minutes to build, then ~12 to
-# run).
+# Chapter 14 and the --print-equivalent runs, with both frameworks' venvs built (3:50 to build both here; chapter 14
+# alone then runs 11:30, its eight trainings included).
 test-frameworks: setup framework-venvs
 	$(BIN)/python -m pytest -q tests/test_frameworks_runs.py
 	$(BIN)/python -m pytest -q --nbval notebooks/14_swift_and_llamafactory.ipynb --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=1800
